@@ -1,0 +1,1 @@
+"""Flower ClientApps: one role per paradigm, the client-side model and its private state."""

@@ -1,0 +1,1 @@
+"""Defenses: noise, sparsification, shuffling, PriPert, positional-embedding removal, DP accounting."""

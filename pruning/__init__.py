@@ -1,0 +1,1 @@
+"""QPriv-VL: question-guided, privacy-aware visual-token pruning (Dynamic Threshold Predictor)."""

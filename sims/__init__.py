@@ -1,0 +1,1 @@
+"""Run-config schema and one Flower App folder per simulation."""
