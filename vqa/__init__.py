@@ -1,0 +1,55 @@
+"""The data layer: VQA datasets as one sample schema, partitions, prompts, scoring."""
+
+import vqa.adapters  # noqa: F401  (registers the built-in datasets)
+from vqa.answers import canonical_answer, normalize_answer
+from vqa.errors import RowProblem, VQADataError
+from vqa.images import ImageRef, to_rgb
+from vqa.partition import partition_dataset, partition_indices, register_partitioner
+from vqa.prompts import IMAGE_PLACEHOLDER, SHORT_ANSWER_INSTRUCTION, PromptPair, build_prompt, build_training_pair
+from vqa.registry import DatasetAdapter, SourceRow, SourceTable, dataset_names, get_adapter, load_vqa, register_dataset
+from vqa.schema import AnswerType, VQADataset, VQASample
+from vqa.scoring import (
+    AccuracyReport,
+    GroupAccuracy,
+    aggregate_accuracy,
+    exact_match,
+    first_token_substring_match,
+    score_sample,
+    token_recall,
+    vqa_soft_accuracy,
+)
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "SHORT_ANSWER_INSTRUCTION",
+    "AccuracyReport",
+    "AnswerType",
+    "DatasetAdapter",
+    "GroupAccuracy",
+    "ImageRef",
+    "PromptPair",
+    "RowProblem",
+    "SourceRow",
+    "SourceTable",
+    "VQADataError",
+    "VQADataset",
+    "VQASample",
+    "aggregate_accuracy",
+    "build_prompt",
+    "build_training_pair",
+    "canonical_answer",
+    "dataset_names",
+    "exact_match",
+    "first_token_substring_match",
+    "get_adapter",
+    "load_vqa",
+    "normalize_answer",
+    "partition_dataset",
+    "partition_indices",
+    "register_dataset",
+    "register_partitioner",
+    "score_sample",
+    "to_rgb",
+    "token_recall",
+    "vqa_soft_accuracy",
+]

@@ -1,0 +1,41 @@
+"""LLaVA-1.5 conversation prompts for VQA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The one spelling of the image placeholder; the processor expands it into patch tokens.
+IMAGE_PLACEHOLDER = "<image>"
+# LLaVA-1.5's instruction for short-answer VQA benchmarks (VQAv2, GQA, OK-VQA, ...).
+SHORT_ANSWER_INSTRUCTION = "Answer the question using a single word or phrase."
+
+
+@dataclass(frozen=True)
+class PromptPair:
+    """Prompt and completion of one training example; the loss covers only ``completion``.
+
+    The end-of-sequence token is left to the tokenizer, which knows its spelling.
+    """
+
+    prompt: str
+    completion: str
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.completion
+
+
+def build_prompt(question: str, instruction: str | None = SHORT_ANSWER_INSTRUCTION) -> str:
+    """``USER: <image>\\n{question}\\n{instruction} ASSISTANT:`` (no instruction line when None)."""
+    if IMAGE_PLACEHOLDER in question:
+        raise ValueError(
+            f"question must not contain the image placeholder {IMAGE_PLACEHOLDER!r}: {question!r}"
+        )
+    body = question.strip() if instruction is None else f"{question.strip()}\n{instruction}"
+    return f"USER: {IMAGE_PLACEHOLDER}\n{body} ASSISTANT:"
+
+
+def build_training_pair(
+    question: str, answer: str, instruction: str | None = SHORT_ANSWER_INSTRUCTION
+) -> PromptPair:
+    return PromptPair(build_prompt(question, instruction), f" {answer.strip()}")

@@ -1,0 +1,162 @@
+"""Dataset adapters behind a registry, and the one loading path they all share.
+
+An adapter only knows its source's layout: it opens a split and turns rows into
+``SourceRow``s. Validation, sub-sampling and error reporting live here, once, so every
+dataset fails the same way and cheap checks always run before images are touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from vqa.errors import RowProblem, VQADataError
+from vqa.images import ImageRef
+from vqa.prompts import IMAGE_PLACEHOLDER
+from vqa.schema import ANSWER_TYPES, AnswerType, VQADataset, VQASample
+
+
+@dataclass
+class SourceRow:
+    """A row as read from the source, before validation.
+
+    ``image_ref`` is None when the source has no image for the row.
+    """
+
+    row_index: int
+    id: str
+    question: str
+    answer: str
+    answer_type: AnswerType
+    question_kind: str
+    image_id: str
+    image_ref: ImageRef | None
+    answers: tuple[str, ...] = ()
+
+
+class SourceTable(Protocol):
+    """One opened split: its size, and its rows on request (so only selected rows cost)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def read_rows(self, indices: Sequence[int]) -> list[SourceRow]: ...
+
+
+class DatasetAdapter(Protocol):
+    name: str
+    splits: tuple[str, ...]
+    default_source: str | None
+
+    def open(self, source: str | None, split: str) -> SourceTable:
+        """Open ``split`` of ``source`` (the adapter's default when None)."""
+        ...
+
+
+_ADAPTERS: dict[str, DatasetAdapter] = {}
+
+
+def register_dataset(adapter: DatasetAdapter, *, replace: bool = False) -> DatasetAdapter:
+    if adapter.name in _ADAPTERS and not replace:
+        raise ValueError(
+            f"dataset {adapter.name!r} is already registered; pass replace=True to override it"
+        )
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+def dataset_names() -> tuple[str, ...]:
+    return tuple(sorted(_ADAPTERS))
+
+
+def get_adapter(name: str) -> DatasetAdapter:
+    try:
+        return _ADAPTERS[name]
+    except KeyError:
+        known = ", ".join(dataset_names())
+        raise VQADataError(f"unknown dataset {name!r}; known datasets: {known}", dataset=name) from None
+
+
+def load_vqa(
+    name: str,
+    split: str,
+    source: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    *,
+    verify_images: bool = False,
+) -> VQADataset:
+    """Load one split of a registered dataset as validated ``VQASample``s.
+
+    ``source`` overrides the adapter's default (a hub id, or a local copy: a saved
+    dataset directory, a hub snapshot directory, or data files). ``limit`` keeps a
+    seeded random subset of that many rows, in source order; the text checks run over
+    every kept row before any image is read. ``verify_images`` also decodes every
+    image up front, instead of failing later when a bad one is first used.
+    """
+    adapter = get_adapter(name)
+    if split not in adapter.splits:
+        allowed = ", ".join(adapter.splits)
+        raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=name, split=split)
+    table = adapter.open(source, split)
+    indices = _select_rows(table.num_rows, limit, seed, name, split)
+    dataset = VQADataset(name, split, _validated(table.read_rows(indices), name, split))
+    if verify_images:
+        dataset.verify_images()
+    return dataset
+
+
+def _select_rows(num_rows: int, limit: int | None, seed: int, name: str, split: str) -> list[int]:
+    if limit is None or limit >= num_rows:
+        return list(range(num_rows))
+    if limit < 1:
+        raise VQADataError(f"limit must be a positive number of rows, got {limit}", dataset=name, split=split)
+    chosen = np.random.default_rng(seed).choice(num_rows, size=limit, replace=False)
+    return sorted(int(index) for index in chosen)
+
+
+def _row_problem(row: SourceRow) -> str | None:
+    if not row.question.strip():
+        return "empty question"
+    if IMAGE_PLACEHOLDER in row.question:
+        return f"question contains the image placeholder {IMAGE_PLACEHOLDER!r}"
+    if not row.answer.strip():
+        return "missing answer"
+    if row.image_ref is None:
+        return "missing image"
+    if row.answer_type not in ANSWER_TYPES:
+        return f"answer type {row.answer_type!r} is not one of {ANSWER_TYPES}"
+    return None
+
+
+def _validated(rows: list[SourceRow], name: str, split: str) -> list[VQASample]:
+    problems: list[RowProblem] = []
+    seen_ids: set[str] = set()
+    for row in rows:
+        problem = _row_problem(row)
+        if problem is None and row.id in seen_ids:
+            problem = "duplicate sample id"
+        seen_ids.add(row.id)
+        if problem is not None:
+            problems.append(RowProblem(row.row_index, row.id, problem))
+    if problems:
+        raise VQADataError.for_rows(name, split, problems)
+    return [
+        VQASample(
+            id=row.id,
+            dataset=name,
+            split=split,
+            question=row.question.strip(),
+            answer=row.answer,
+            answer_type=row.answer_type,
+            question_kind=row.question_kind,
+            image_id=row.image_id,
+            source_row=row.row_index,
+            answers=row.answers,
+            image_ref=row.image_ref,
+        )
+        for row in rows
+    ]
