@@ -23,7 +23,8 @@ from vqa.schema import ANSWER_TYPES, AnswerType, VQADataset, VQASample
 class SourceRow:
     """A row as read from the source, before validation.
 
-    ``image_ref`` is None when the source has no image for the row.
+    ``image_ref`` is None when the source has no image for the row;
+    ``missing_image_reason`` then says what was looked for.
     """
 
     row_index: int
@@ -35,6 +36,7 @@ class SourceRow:
     image_id: str
     image_ref: ImageRef | None
     answers: tuple[str, ...] = ()
+    missing_image_reason: str = ""
 
 
 class SourceTable(Protocol):
@@ -126,7 +128,7 @@ def _row_problem(row: SourceRow) -> str | None:
     if not row.answer.strip():
         return "missing answer"
     if row.image_ref is None:
-        return "missing image"
+        return f"missing image ({row.missing_image_reason})" if row.missing_image_reason else "missing image"
     if row.answer_type not in ANSWER_TYPES:
         return f"answer type {row.answer_type!r} is not one of {ANSWER_TYPES}"
     return None

@@ -63,20 +63,21 @@ def _not_cached_message(hub_id: str) -> str:
     )
 
 
-def from_hub_cache_first(dataset: str, hub_id: str, fetch: Callable[[], T]) -> T:
+def from_hub_cache_first(dataset: str, split: str, hub_id: str, fetch: Callable[[], T]) -> T:
     """``fetch()`` from the cache only; then, unless offline was asked for, from the hub."""
     try:
         with _hub_offline():
             return fetch()
     except Exception as cache_miss:  # every library flavour of "not cached"
         if downloads_disabled():
-            raise VQADataError(_not_cached_message(hub_id), dataset=dataset) from cache_miss
+            raise VQADataError(_not_cached_message(hub_id), dataset=dataset, split=split) from cache_miss
     try:
         return fetch()
     except Exception as err:
         raise VQADataError(
             f"could not download hub dataset {hub_id!r}: {err}. {_not_cached_message(hub_id)}",
             dataset=dataset,
+            split=split,
         ) from err
 
 
@@ -105,7 +106,7 @@ def open_hf_split(
     """
     if is_hub_id(source):
         return from_hub_cache_first(
-            dataset, source, lambda: datasets.load_dataset(source, config, split=split)
+            dataset, split, source, lambda: datasets.load_dataset(source, config, split=split)
         )
     path = require_local_path(dataset, source)
     try:

@@ -67,6 +67,7 @@ class EasyVQATable:
             question_kind=question_kind(answer),
             image_id=str(image_id),
             image_ref=None if path is None else FileImage(Path(path)),
+            missing_image_reason=f"no image file for image id {image_id}",
         )
 
 
@@ -86,14 +87,17 @@ class EasyVQAAdapter:
         questions_file = split_dir / "questions.json"
         try:
             triples = json.loads(questions_file.read_text(encoding="utf-8"))
-            texts, answers, image_ids = (list(column) for column in zip(*triples, strict=True)) if triples else ([], [], [])
+            columns = zip(*triples, strict=True) if triples else ([], [], [])
+            texts, answers, image_ids = (list(column) for column in columns)
         except (OSError, ValueError, TypeError) as err:
             raise VQADataError(
                 f"cannot read {questions_file} as [question, answer, image_id] triples: {err}",
                 dataset=self.name,
                 split=split,
             ) from err
-        image_paths = {int(path.stem): str(path) for path in (split_dir / "images").glob("*.png") if path.stem.isdigit()}
+        image_paths = {
+            int(path.stem): str(path) for path in (split_dir / "images").glob("*.png") if path.stem.isdigit()
+        }
         return EasyVQATable((texts, answers, image_ids), image_paths)
 
 

@@ -103,19 +103,27 @@ class HFTable:
     def _keyed_row(self, index: int, fields: RowFields) -> SourceRow:
         assert self._image_row_by_key is not None
         image_row = self._image_row_by_key.get(fields.image_key or "")
-        image_ref = None if image_row is None else DatasetRowImage(self._images, image_row, "image")
-        return _source_row(index, fields, fields.image_key or "", image_ref)
+        if image_row is None:
+            reason = f"image key {fields.image_key!r} is not in the image table"
+            return _source_row(index, fields, fields.image_key or "", None, reason)
+        return _source_row(index, fields, fields.image_key or "", DatasetRowImage(self._images, image_row, "image"))
 
     def _column_row(self, index: int, fields: RowFields, cell: dict[str, Any] | None) -> SourceRow:
         if not _has_image(cell):
-            return _source_row(index, fields, fields.image_key or "", None)
+            return _source_row(index, fields, fields.image_key or "", None, "the image cell is empty")
         assert cell is not None
         image_id = fields.image_key or _content_digest(cell)
         column = self._images.column_names[0]
         return _source_row(index, fields, image_id, DatasetRowImage(self._images, index, column))
 
 
-def _source_row(index: int, fields: RowFields, image_id: str, image_ref: DatasetRowImage | None) -> SourceRow:
+def _source_row(
+    index: int,
+    fields: RowFields,
+    image_id: str,
+    image_ref: DatasetRowImage | None,
+    missing_image_reason: str = "",
+) -> SourceRow:
     return SourceRow(
         row_index=index,
         id=fields.id,
@@ -126,6 +134,7 @@ def _source_row(index: int, fields: RowFields, image_id: str, image_ref: Dataset
         image_id=image_id,
         image_ref=image_ref,
         answers=fields.answers,
+        missing_image_reason=missing_image_reason,
     )
 
 

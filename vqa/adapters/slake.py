@@ -44,6 +44,11 @@ class _ImageFolder:
             with zipfile.ZipFile(self._archive) as archive:
                 self._members = frozenset(archive.namelist())
 
+    def describe(self, image_name: str) -> str:
+        if self._folder.is_dir():
+            return f"no file {self._folder / image_name}"
+        return f"no imgs/ folder, nor {image_name} in {self._archive}"
+
     def find(self, image_name: str) -> ImageRef | None:
         if self._folder.is_dir():
             path = self._folder / image_name
@@ -72,6 +77,7 @@ class SlakeTable:
     def _row(self, row_index: int) -> SourceRow:
         record = self._records[row_index]
         image_name = str(record.get("img_name") or "")
+        image_ref = self._images.find(image_name) if image_name else None
         return SourceRow(
             row_index=row_index,
             id=str(record.get("qid", row_index)),
@@ -80,7 +86,8 @@ class SlakeTable:
             answer_type=str(record.get("answer_type") or "").lower(),  # type: ignore[arg-type]
             question_kind=str(record.get("content_type") or "other").lower(),
             image_id=image_name,
-            image_ref=self._images.find(image_name) if image_name else None,
+            image_ref=image_ref,
+            missing_image_reason=self._images.describe(image_name) if image_name else "no img_name",
         )
 
 
@@ -93,7 +100,7 @@ class SlakeAdapter:
     def open(self, source: str | None, split: str) -> SlakeTable:
         source = source or self.default_source
         assert source is not None
-        root = self._local_root(source)
+        root = self._local_root(source, split)
         split_file = next((root / name for name in _SPLIT_FILES[split] if (root / name).is_file()), None)
         if split_file is None:
             expected = " or ".join(_SPLIT_FILES[split])
@@ -101,11 +108,12 @@ class SlakeAdapter:
         records = self._read_records(split_file, split)
         return SlakeTable(records, _ImageFolder(root))
 
-    def _local_root(self, source: str) -> Path:
+    def _local_root(self, source: str, split: str) -> Path:
         if is_hub_id(source):
             return Path(
                 from_hub_cache_first(
                     self.name,
+                    split,
                     source,
                     lambda: snapshot_download(source, repo_type="dataset"),
                 )
