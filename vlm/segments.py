@@ -1,0 +1,285 @@
+"""LLaVA-1.5 taken apart into the pieces a split system runs on different parties.
+
+Pruning sits between the vision tower and the projector, and split learning cuts
+the decoder, so the rest of the system calls these pieces instead of
+LlavaForConditionalGeneration.forward. Composed, they reproduce that forward (and
+its gradients) exactly: tests/vlm/test_segments.py holds them to it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlavaConfig, LlavaForConditionalGeneration
+from transformers.masking_utils import create_causal_mask
+
+from vlm.cuts import LayerSegment
+
+IGNORE_INDEX = -100
+PADDING_SIDES = ("left", "right")
+
+
+@dataclass(frozen=True)
+class LlavaParts:
+    """The modules of one LLaVA model, found through any wrapper (e.g. peft)."""
+
+    vision_tower: nn.Module
+    projector: nn.Module
+    language_model: nn.Module
+    lm_head: nn.Linear
+    config: LlavaConfig
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.language_model.layers)
+
+
+def llava_parts(model: nn.Module) -> LlavaParts:
+    """Locate the LLaVA modules in a plain or peft-wrapped LlavaForConditionalGeneration."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(base, LlavaForConditionalGeneration):
+        raise TypeError(
+            f"expected a LlavaForConditionalGeneration (optionally peft-wrapped), got {type(model).__name__}"
+        )
+    return LlavaParts(
+        vision_tower=base.model.vision_tower,
+        projector=base.model.multi_modal_projector,
+        language_model=base.model.language_model,
+        lm_head=base.lm_head,
+        config=base.config,
+    )
+
+
+def vision_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """Patch features [B, N, Dv] at the configured vision feature layer.
+
+    Only the CLIP layers up to the selected one run: the later layers (and the
+    post-layernorm, which only feeds the pooled output) would be wasted compute.
+    """
+    parts = llava_parts(model)
+    feature_layer = parts.config.vision_feature_layer
+    if not isinstance(feature_layer, int):
+        raise ValueError(
+            f"vision_feature_layer={feature_layer!r}: only a single int layer is supported by the split model"
+        )
+    tower = parts.vision_tower
+    encoder_layers = tower.encoder.layers
+    # hidden_states[0] is the (pre-layernormed) embedding output, hidden_states[i] the output of layer i.
+    layers_to_run = feature_layer % (len(encoder_layers) + 1)
+    hidden_states = tower.pre_layrnorm(tower.embeddings(pixel_values))
+    for layer in encoder_layers[:layers_to_run]:
+        hidden_states = layer(hidden_states, None)
+    if parts.config.vision_feature_select_strategy == "default":
+        hidden_states = hidden_states[:, 1:]
+    return hidden_states
+
+
+def project_visual_features(model: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """Map (possibly pruned) patch features [B, k, Dv] into the decoder's space [B, k, D]."""
+    return llava_parts(model).projector(features)
+
+
+@dataclass
+class DecoderInputs:
+    """Everything a decoder segment needs; mask and positions travel with the hidden states."""
+
+    hidden_states: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor | None
+    visual_token_mask: torch.Tensor
+
+
+def _placeholder_index(prompt: torch.Tensor, image_token_id: int, sample: int) -> int:
+    positions = (prompt == image_token_id).nonzero().flatten()
+    if positions.numel() != 1:
+        raise ValueError(
+            f"prompt {sample} contains the image placeholder token (id {image_token_id}) "
+            f"{positions.numel()} times; it must appear exactly once"
+        )
+    return int(positions[0])
+
+
+def merge_multimodal_inputs(
+    model: nn.Module,
+    prompt_ids: Sequence[torch.Tensor],
+    visual_embeds: Sequence[torch.Tensor],
+    answer_ids: Sequence[torch.Tensor] | None = None,
+    *,
+    padding_side: str = "left",
+) -> DecoderInputs:
+    """Decoder inputs from per-sample prompts, visual tokens and optional answers.
+
+    Each prompt holds exactly one image placeholder, replaced by that sample's k_b
+    visual embeddings (k_b varies after pruning). Answers are appended and become the
+    labels (IGNORE_INDEX elsewhere). Positions are cumsum(mask) - 1, so kept visual
+    tokens are renumbered without gaps; padded slots get position 0 and mask 0.
+    Left padding is the default because it puts every sample's last token in the
+    last column, which is what generation reads.
+    """
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side={padding_side!r}; allowed: {PADDING_SIDES}")
+    if len(prompt_ids) != len(visual_embeds):
+        raise ValueError(f"got {len(prompt_ids)} prompts but {len(visual_embeds)} visual token sets")
+    if answer_ids is not None and len(answer_ids) != len(prompt_ids):
+        raise ValueError(f"got {len(prompt_ids)} prompts but {len(answer_ids)} answers")
+    parts = llava_parts(model)
+    embed_tokens = parts.language_model.embed_tokens
+    image_token_id = parts.config.image_token_id
+    device, dtype = embed_tokens.weight.device, embed_tokens.weight.dtype
+
+    sequences, label_rows, visual_rows = [], [], []
+    for sample, (prompt, visual) in enumerate(zip(prompt_ids, visual_embeds, strict=True)):
+        prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        split_at = _placeholder_index(prompt, image_token_id, sample)
+        answer = (
+            torch.as_tensor(answer_ids[sample], dtype=torch.long, device=device)
+            if answer_ids is not None
+            else prompt.new_empty(0)
+        )
+        text_embeds = embed_tokens(torch.cat([prompt[:split_at], prompt[split_at + 1 :], answer]))
+        num_before, num_visual = split_at, visual.shape[0]
+        num_prompt_after = prompt.numel() - split_at - 1
+        sequences.append(
+            torch.cat([text_embeds[:num_before], visual.to(device, dtype), text_embeds[num_before:]])
+        )
+        num_unlabelled = num_before + num_visual + num_prompt_after
+        label_rows.append(torch.cat([prompt.new_full((num_unlabelled,), IGNORE_INDEX), answer]))
+        visual_row = torch.zeros(num_unlabelled + answer.numel(), dtype=torch.bool, device=device)
+        visual_row[num_before : num_before + num_visual] = True
+        visual_rows.append(visual_row)
+
+    length = max(sequence.shape[0] for sequence in sequences)
+    batch = len(sequences)
+    attention_mask = torch.zeros(batch, length, dtype=torch.long, device=device)
+    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long, device=device)
+    visual_token_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    rows = []
+    for sample, sequence in enumerate(sequences):
+        n = sequence.shape[0]
+        left = padding_side == "left"
+        span = slice(length - n, length) if left else slice(0, n)
+        # Padded slots are zero vectors: masked out, they never reach a real token.
+        rows.append(F.pad(sequence, (0, 0, length - n, 0) if left else (0, 0, 0, length - n)))
+        attention_mask[sample, span] = 1
+        labels[sample, span] = label_rows[sample]
+        visual_token_mask[sample, span] = visual_rows[sample]
+    hidden_states = torch.stack(rows)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return DecoderInputs(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        labels=labels if answer_ids is not None else None,
+        visual_token_mask=visual_token_mask,
+    )
+
+
+def run_decoder_layers(
+    model: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    start: int,
+    stop: int,
+    *,
+    apply_head: bool = False,
+) -> torch.Tensor:
+    """Decoder layers [start, stop); with `apply_head`, then final norm + LM head (logits).
+
+    The causal mask and rotary cos/sin are rebuilt here from the 2D mask and the
+    position ids exactly as LlamaModel.forward builds them, so each party can run
+    its segment alone. Always pass the 2D mask (even all ones): without it a jump
+    in position ids is read as a packed-sequence boundary.
+    """
+    parts = llava_parts(model)
+    if not 0 <= start < stop <= parts.num_layers:
+        raise ValueError(
+            f"layer range [{start}, {stop}) is invalid; need 0 <= start < stop <= {parts.num_layers}"
+        )
+    language_model = parts.language_model
+    causal_mask = create_causal_mask(
+        config=language_model.config,
+        inputs_embeds=hidden_states,
+        attention_mask=attention_mask,
+        cache=None,
+        position_ids=position_ids,
+    )
+    position_embeddings = language_model.rotary_emb(hidden_states, position_ids=position_ids)
+    for layer in language_model.layers[start:stop]:
+        hidden_states = layer(
+            hidden_states,
+            attention_mask=causal_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            use_cache=False,
+        )
+    if apply_head:
+        return parts.lm_head(language_model.norm(hidden_states))
+    return hidden_states
+
+
+def run_segment(
+    model: nn.Module,
+    segment: LayerSegment,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """One party's decoder segment; the last segment returns logits."""
+    return run_decoder_layers(
+        model,
+        hidden_states,
+        attention_mask,
+        position_ids,
+        segment.start,
+        segment.stop,
+        apply_head=segment.is_last,
+    )
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each labelled token given the tokens before it."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: nn.Module,
+    prompt_ids: Sequence[torch.Tensor],
+    visual_embeds: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> list[list[int]]:
+    """Greedy answers (eos excluded) for scoring short answers.
+
+    Without a KV cache each step reruns the whole sequence; that is cheap for the
+    few tokens a VQA answer needs, and it reuses exactly the training code path.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    num_layers = llava_parts(model).num_layers
+    device = llava_parts(model).lm_head.weight.device
+    generated: list[list[int]] = [[] for _ in prompt_ids]
+    finished = [False] * len(prompt_ids)
+    for _ in range(max_new_tokens):
+        answers = [torch.tensor(tokens, dtype=torch.long, device=device) for tokens in generated]
+        inputs = merge_multimodal_inputs(model, prompt_ids, visual_embeds, answers, padding_side="left")
+        logits = run_decoder_layers(
+            model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, num_layers, apply_head=True
+        )
+        for sample, token in enumerate(logits[:, -1].argmax(-1).tolist()):
+            if finished[sample]:
+                continue
+            if token == eos_token_id:
+                finished[sample] = True
+            else:
+                generated[sample].append(token)
+        if all(finished):
+            break
+    return generated
