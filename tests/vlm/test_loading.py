@@ -1,0 +1,154 @@
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm import loading
+from vlm.cuts import split_layers
+from vlm.loading import (
+    ModelBundle,
+    ModelNotAvailableError,
+    build_model_on_meta,
+    build_random_model,
+    count_parameters,
+    load_model,
+    register_loader,
+    resolve_pretrained_source,
+)
+from vlm.profiles import TINY, Profile, get_profile
+
+LLAVA_7B = get_profile("llava-1.5-7b")
+DOWNLOAD_HINT = "hf download llava-hf/llava-1.5-7b-hf --local-dir DIR"
+
+
+def test_random_model_is_deterministic_per_seed_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    first = build_random_model(TINY, seed=5).state_dict()
+    assert torch.equal(torch.rand(1), expected_next)
+    second = build_random_model(TINY, seed=5).state_dict()
+    other = build_random_model(TINY, seed=6).state_dict()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)
+
+
+def test_tiny_bundle_preprocesses_pil_images_to_the_profile_size():
+    bundle = load_model("tiny", seed=0)
+    assert bundle.profile is TINY and bundle.tokenizer is None
+    images = [Image.fromarray(np.full((48, 40, 3), value, dtype=np.uint8)) for value in (0, 255)]
+    pixel_values = bundle.preprocess_images(images)
+    assert pixel_values.shape == (2, 3, TINY.image_size, TINY.image_size)
+    assert pixel_values[0].mean() < 0 < pixel_values[1].mean()  # CLIP normalisation centres the range
+
+
+def test_llava_7b_on_meta_has_the_papers_sizes():
+    model = build_model_on_meta(LLAVA_7B)
+    assert next(model.parameters()).device.type == "meta"
+    counts = count_parameters(model)
+    in_millions = lambda n: round(n / 1e6, 1)  # noqa: E731
+    assert round(counts.total / 1e9, 3) == 7.063
+    assert in_millions(counts.vision_tower) == 303.5
+    assert in_millions(counts.projector) == 21.0
+    assert in_millions(counts.embeddings) == 131.3
+    assert in_millions(counts.lm_head) == 131.3
+    assert {in_millions(n) for n in counts.decoder_layers} == {202.4}
+    assert (len(counts.decoder_layers), LLAVA_7B.num_patches) == (32, 576)
+    assert (LLAVA_7B.sl_cut, LLAVA_7B.usl_cuts) == (16, (8, 24))
+    by_owner = lambda cuts: {s.owner: round(counts.for_segment(s) / 1e9, 2) for s in split_layers(32, cuts)}  # noqa: E731
+    assert by_owner((16,)) == {"client": 3.69, "server": 3.37}
+    assert by_owner((8, 24)) == {"head": 2.07, "body": 3.24, "tail": 1.75}
+    assert by_owner(()) == {"all": round(counts.total / 1e9, 2)}
+
+
+def test_missing_7b_weights_fail_fast_with_instructions(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(ModelNotAvailableError, match=DOWNLOAD_HINT) as raised:
+        load_model("llava-1.5-7b", cache_dir=tmp_path)
+    assert time.perf_counter() - started < 1.0
+    assert "not in the local HF cache" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "make_source, reason",
+    [
+        (lambda tmp: tmp, "has no config.json"),
+        (lambda tmp: tmp / "missing" / "llava", "neither a checkpoint folder nor a hub id"),
+    ],
+    ids=["folder without config", "path that does not exist"],
+)
+def test_bad_local_source_is_reported(tmp_path, make_source, reason):
+    with pytest.raises(ModelNotAvailableError, match=reason):
+        resolve_pretrained_source(LLAVA_7B, make_source(tmp_path), cache_dir=tmp_path)
+
+
+def _fake_hf_cache(cache_dir: Path, files: list[str]) -> Path:
+    """The HF cache layout (refs/main -> snapshots/<commit>/...) holding the given files."""
+    repo = cache_dir / "models--llava-hf--llava-1.5-7b-hf"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in files:
+        (snapshot / name).write_text("{}")
+    return snapshot
+
+
+def test_cached_config_without_weights_is_reported(tmp_path):
+    _fake_hf_cache(tmp_path, ["config.json"])
+    with pytest.raises(ModelNotAvailableError, match="holds 'llava-hf/llava-1.5-7b-hf'.s config but not its weights"):
+        resolve_pretrained_source(LLAVA_7B, None, cache_dir=tmp_path)
+
+
+def test_complete_cache_entry_resolves_to_its_snapshot_folder(tmp_path):
+    snapshot = _fake_hf_cache(tmp_path, ["config.json", "model.safetensors.index.json"])
+    assert resolve_pretrained_source(LLAVA_7B, None, cache_dir=tmp_path) == snapshot
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert resolve_pretrained_source(LLAVA_7B, local, cache_dir=tmp_path) == local
+
+
+@pytest.fixture
+def isolated_loader_registry(monkeypatch):
+    monkeypatch.setattr(loading, "_LOADERS", dict(loading._LOADERS))
+    monkeypatch.setattr(loading, "LAZY_LOADER_MODULES", {})
+
+
+def test_registered_loader_receives_profile_and_options(isolated_loader_registry):
+    received = {}
+
+    def fake_loader(profile: Profile, **options) -> ModelBundle:
+        received.update(profile=profile, **options)
+        return ModelBundle(model=torch.nn.Identity(), profile=profile, tokenizer=None, preprocess_images=list)
+
+    register_loader("tiny", fake_loader, replace=True)
+    bundle = load_model(TINY, cache_dir="somewhere")
+    assert received == {"profile": TINY, "cache_dir": "somewhere"}
+    assert bundle.profile is TINY
+    with pytest.raises(ValueError, match="already registered"):
+        register_loader("tiny", fake_loader)
+
+
+def test_profile_without_loader_names_registered_ones(isolated_loader_registry):
+    with pytest.raises(ValueError, match=r"no loader registered for profile 'mini'; registered: \['llava-1.5-7b', 'tiny'\]"):
+        load_model("mini")
+
+
+def test_lazy_loader_module_is_imported_on_first_use(isolated_loader_registry, monkeypatch, tmp_path):
+    (tmp_path / "fake_mini_loader.py").write_text(
+        "from vlm.loading import register_loader, load_random\nregister_loader('mini', load_random)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_mini_loader", raising=False)
+    monkeypatch.setattr(loading, "LAZY_LOADER_MODULES", {"mini": "fake_mini_loader", "tiny": "not_installed_loader"})
+    monkeypatch.setattr(loading, "_LOADERS", {})
+    with pytest.raises(ValueError, match="'not_installed_loader', which is not installed"):
+        load_model("tiny")
+    with pytest.raises(ValueError, match="pass vocab_size"):  # reached the registered loader
+        load_model("mini")

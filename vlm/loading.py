@@ -1,0 +1,270 @@
+"""Getting a model for a profile: real weights, random weights, or shapes only.
+
+Loaders live in a registry keyed by profile name so that a profile with its own
+way of loading (the mini model's trained checkpoint) plugs in without an if/elif
+chain here. Profiles whose loader lives in a separate module are imported on first
+use (LAZY_LOADER_MODULES), so callers need not remember to import them.
+"""
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from PIL import Image
+from torch import nn
+from transformers import (
+    AutoProcessor,
+    CLIPImageProcessorPil,
+    LlavaForConditionalGeneration,
+    PreTrainedTokenizerBase,
+)
+
+from vlm.cuts import LayerSegment
+from vlm.profiles import Profile, build_llava_config, get_profile
+from vlm.segments import llava_parts
+
+# Files whose presence shows a complete HF checkpoint folder (config plus sharded or single weights).
+CONFIG_FILE = "config.json"
+WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+class ModelNotAvailableError(RuntimeError):
+    """Real weights are neither in a local folder nor in the local HF cache."""
+
+
+class ImagePreprocessor(Protocol):
+    def __call__(self, images: Sequence[Image.Image]) -> torch.Tensor: ...
+
+
+class HFImagePreprocessor:
+    """PIL images -> normalised pixel_values [B, 3, H, W] through an HF image processor.
+
+    A class rather than a closure so that bundles can be pickled (e.g. to Ray workers).
+    """
+
+    def __init__(self, image_processor: Any) -> None:
+        self.image_processor = image_processor
+
+    def __call__(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        return self.image_processor(list(images), return_tensors="pt")["pixel_values"]
+
+
+def clip_image_preprocessor(image_size: int) -> HFImagePreprocessor:
+    """CLIP's resize, centre crop and normalisation at a profile's image size."""
+    return HFImagePreprocessor(
+        CLIPImageProcessorPil(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
+    )
+
+
+@dataclass
+class ModelBundle:
+    """What the rest of the system passes around: the model and how to feed it."""
+
+    model: nn.Module
+    profile: Profile
+    tokenizer: PreTrainedTokenizerBase | None
+    preprocess_images: ImagePreprocessor
+
+
+ModelLoader = Callable[..., ModelBundle]
+
+_LOADERS: dict[str, ModelLoader] = {}
+LAZY_LOADER_MODULES = {"mini": "vlm.mini"}
+
+
+def register_loader(profile_name: str, loader: ModelLoader, *, replace: bool = False) -> None:
+    """Register `loader(profile, **options) -> ModelBundle` for a profile name."""
+    if profile_name in _LOADERS and not replace:
+        raise ValueError(f"a loader for profile {profile_name!r} is already registered; pass replace=True")
+    _LOADERS[profile_name] = loader
+
+
+def load_model(profile: str | Profile, **options: Any) -> ModelBundle:
+    """Load the model for a profile; `options` go to that profile's loader."""
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    if profile.name not in _LOADERS and profile.name in LAZY_LOADER_MODULES:
+        module = LAZY_LOADER_MODULES[profile.name]
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+            raise ValueError(
+                f"profile {profile.name!r} is loaded by module {module!r}, which is not installed"
+            ) from error
+    try:
+        loader = _LOADERS[profile.name]
+    except KeyError:
+        raise ValueError(
+            f"no loader registered for profile {profile.name!r}; registered: {sorted(_LOADERS)}"
+        ) from None
+    return loader(profile, **options)
+
+
+def build_random_model(
+    profile: Profile,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    **config_overrides: Any,
+) -> LlavaForConditionalGeneration:
+    """Randomly initialised model; the same seed gives the same weights, without touching global RNG state."""
+    config = build_llava_config(profile, attn_implementation=attn_implementation, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    return model.to(dtype).eval()
+
+
+def build_model_on_meta(profile: Profile, **config_overrides: Any) -> LlavaForConditionalGeneration:
+    """The model's structure without memory, for counting parameters at any size."""
+    config = build_llava_config(profile, **config_overrides)
+    with torch.device("meta"):
+        return LlavaForConditionalGeneration(config)
+
+
+def load_random(
+    profile: Profile,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> ModelBundle:
+    """Loader for random-weight profiles (tests): no tokenizer, callers pass token ids."""
+    return ModelBundle(
+        model=build_random_model(profile, seed=seed, dtype=dtype, attn_implementation=attn_implementation),
+        profile=profile,
+        tokenizer=None,
+        preprocess_images=clip_image_preprocessor(profile.image_size),
+    )
+
+
+def _missing_weights_message(profile: Profile, what: str) -> str:
+    repo = profile.hf_id or "<hub id>"
+    return (
+        f"weights for profile {profile.name!r} are not available: {what}. On a machine with hub access run "
+        f"`hf download {repo} --local-dir DIR`, copy DIR here, and point the model source (`source=` / the run "
+        "config's model source) at DIR."
+    )
+
+
+def resolve_pretrained_source(profile: Profile, source: str | Path | None, cache_dir: str | Path | None) -> Path:
+    """A local checkpoint folder for `source` (a folder, or a hub id already in the HF cache).
+
+    Never contacts the hub: a missing model must fail in milliseconds, not after
+    from_pretrained's minutes of retries.
+    """
+    source = profile.hf_id if source is None else source
+    if source is None:
+        raise ModelNotAvailableError(_missing_weights_message(profile, "the profile names no hub id and no source was given"))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise ModelNotAvailableError(_missing_weights_message(profile, f"folder {path} has no {CONFIG_FILE}"))
+        return path
+    if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
+        raise ModelNotAvailableError(
+            _missing_weights_message(profile, f"source {str(source)!r} is neither a checkpoint folder nor a hub id")
+        )
+    cached_config = try_to_load_from_cache(str(source), CONFIG_FILE, cache_dir=cache_dir)
+    if not isinstance(cached_config, str):
+        raise ModelNotAvailableError(
+            _missing_weights_message(profile, f"{source!r} is not a local folder and is not in the local HF cache")
+        )
+    snapshot = Path(cached_config).parent
+    if not any((snapshot / name).is_file() for name in WEIGHT_INDEX_FILES):
+        raise ModelNotAvailableError(
+            _missing_weights_message(profile, f"the HF cache holds {source!r}'s config but not its weights ({snapshot})")
+        )
+    return snapshot
+
+
+def load_pretrained_llava(
+    profile: Profile,
+    *,
+    source: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    cache_dir: str | Path | None = None,
+) -> ModelBundle:
+    """Loader for real LLaVA-1.5 weights from a local folder or the local HF cache."""
+    checkpoint = resolve_pretrained_source(profile, source, cache_dir)
+    try:
+        model = LlavaForConditionalGeneration.from_pretrained(
+            checkpoint,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            device_map=device,
+            local_files_only=True,
+        )
+        processor = AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
+    except OSError as error:
+        raise ModelNotAvailableError(_missing_weights_message(profile, f"loading {checkpoint} failed ({error})")) from error
+    return ModelBundle(
+        model=model.eval(),
+        profile=profile,
+        tokenizer=processor.tokenizer,
+        preprocess_images=HFImagePreprocessor(processor.image_processor),
+    )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Base-model parameter counts by part, to size what each party holds."""
+
+    vision_tower: int
+    projector: int
+    embeddings: int
+    decoder_layers: tuple[int, ...]
+    final_norm: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.vision_tower
+            + self.projector
+            + self.embeddings
+            + sum(self.decoder_layers)
+            + self.final_norm
+            + self.lm_head
+        )
+
+    def for_segment(self, segment: LayerSegment) -> int:
+        """Parameters held by a segment's owner: the first also holds everything before
+        the decoder (vision, projector, embeddings), the last the final norm and LM head."""
+        count = sum(self.decoder_layers[segment.start : segment.stop])
+        if segment.start == 0:
+            count += self.vision_tower + self.projector + self.embeddings
+        if segment.is_last:
+            count += self.final_norm + self.lm_head
+        return count
+
+
+def count_parameters(model: nn.Module) -> ParameterCounts:
+    """Counts of a plain or peft-wrapped model's base modules, LoRA adapters excluded."""
+    parts = llava_parts(model)
+
+    def base_count(module: nn.Module) -> int:
+        return sum(p.numel() for name, p in module.named_parameters() if "lora_" not in name)
+
+    return ParameterCounts(
+        vision_tower=base_count(parts.vision_tower),
+        projector=base_count(parts.projector),
+        embeddings=base_count(parts.language_model.embed_tokens),
+        decoder_layers=tuple(base_count(layer) for layer in parts.language_model.layers),
+        final_norm=base_count(parts.language_model.norm),
+        lm_head=base_count(parts.lm_head),
+    )
+
+
+register_loader("llava-1.5-7b", load_pretrained_llava)
+register_loader("tiny", load_random)
