@@ -99,14 +99,35 @@ def partition_indices(
         shards = [partitioner.load_partition(client)["group_row"] for client in range(num_partitions)]
     except ValueError as err:
         raise ValueError(
-            f"{method} partitioning into {num_partitions} partitions failed: {err}"
+            f"{method} partitioning into {num_partitions} partitions failed ({err}); raise alpha, "
+            f"lower min_partition_size (it counts {group_by or 'sample'} groups), or use fewer partitions"
         ) from err
     return [sorted(index for group_row in shard for index in groups[group_row]) for shard in shards]
 
 
-def partition_dataset(dataset: VQADataset, num_partitions: int, **options: object) -> list[VQADataset]:
-    """``partition_indices`` applied: one ``VQADataset`` per client."""
-    return [dataset.select(shard) for shard in partition_indices(dataset, num_partitions, **options)]  # type: ignore[arg-type]
+def partition_dataset(
+    dataset: VQADataset,
+    num_partitions: int,
+    *,
+    method: str = "iid",
+    seed: int = 0,
+    alpha: float = 0.5,
+    group_by: str | None = "image_id",
+    label_by: str = "answer",
+    min_partition_size: int = 1,
+) -> list[VQADataset]:
+    """One ``VQADataset`` per client; see ``partition_indices``."""
+    shards = partition_indices(
+        dataset,
+        num_partitions,
+        method=method,
+        seed=seed,
+        alpha=alpha,
+        group_by=group_by,
+        label_by=label_by,
+        min_partition_size=min_partition_size,
+    )
+    return [dataset.select(shard) for shard in shards]
 
 
 def _group_members(samples: Sequence[VQASample], group_by: str | None) -> list[list[int]]:
