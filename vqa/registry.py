@@ -7,7 +7,7 @@ dataset fails the same way and cheap checks always run before images are touched
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,8 +23,10 @@ from vqa.schema import ANSWER_TYPES, AnswerType, VQADataset, VQASample
 class SourceRow:
     """A row as read from the source, before validation.
 
-    ``image_ref`` is None when the source has no image for the row;
-    ``missing_image_reason`` then says what was looked for.
+    ``read_rows`` fills the text fields and ``image_key`` (the source's image name or
+    id, "" when it has none); ``attach_images`` then sets ``image_id`` and
+    ``image_ref``, or leaves ``image_ref`` None and says in ``missing_image_reason``
+    what was looked for.
     """
 
     row_index: int
@@ -33,19 +35,26 @@ class SourceRow:
     answer: str
     answer_type: AnswerType
     question_kind: str
-    image_id: str
-    image_ref: ImageRef | None
+    image_key: str = ""
     answers: tuple[str, ...] = ()
+    image_id: str = ""
+    image_ref: ImageRef | None = None
     missing_image_reason: str = ""
 
 
 class SourceTable(Protocol):
-    """One opened split: its size, and its rows on request (so only selected rows cost)."""
+    """One opened split, read in two passes so text checks never wait on images."""
 
     @property
     def num_rows(self) -> int: ...
 
-    def read_rows(self, indices: Sequence[int]) -> list[SourceRow]: ...
+    def read_rows(self, indices: Sequence[int]) -> list[SourceRow]:
+        """The text of the rows at ``indices`` (only selected rows cost)."""
+        ...
+
+    def attach_images(self, rows: list[SourceRow]) -> None:
+        """Resolve each row's image reference and ``image_id``, without decoding."""
+        ...
 
 
 class DatasetAdapter(Protocol):
@@ -104,8 +113,11 @@ def load_vqa(
         allowed = ", ".join(adapter.splits)
         raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=name, split=split)
     table = adapter.open(source, split)
-    indices = _select_rows(table.num_rows, limit, seed, name, split)
-    dataset = VQADataset(name, split, _validated(table.read_rows(indices), name, split))
+    rows = table.read_rows(_select_rows(table.num_rows, limit, seed, name, split))
+    _raise_for_problems(rows, _text_problem, name, split)
+    table.attach_images(rows)
+    _raise_for_problems(rows, _image_problem, name, split)
+    dataset = VQADataset(name, split, (_sample(row, name, split) for row in rows))
     if verify_images:
         dataset.verify_images()
     return dataset
@@ -120,45 +132,55 @@ def _select_rows(num_rows: int, limit: int | None, seed: int, name: str, split: 
     return sorted(int(index) for index in chosen)
 
 
-def _row_problem(row: SourceRow) -> str | None:
+def _text_problem(row: SourceRow, seen_ids: set[str]) -> str | None:
     if not row.question.strip():
         return "empty question"
     if IMAGE_PLACEHOLDER in row.question:
         return f"question contains the image placeholder {IMAGE_PLACEHOLDER!r}"
     if not row.answer.strip():
         return "missing answer"
-    if row.image_ref is None:
-        return f"missing image ({row.missing_image_reason})" if row.missing_image_reason else "missing image"
     if row.answer_type not in ANSWER_TYPES:
-        return f"answer type {row.answer_type!r} is not one of {ANSWER_TYPES}"
+        return f"answer type {row.answer_type!r} is not one of {', '.join(ANSWER_TYPES)}"
+    if row.id in seen_ids:
+        return "duplicate sample id"
+    seen_ids.add(row.id)
     return None
 
 
-def _validated(rows: list[SourceRow], name: str, split: str) -> list[VQASample]:
-    problems: list[RowProblem] = []
+def _image_problem(row: SourceRow, seen_ids: set[str]) -> str | None:
+    if row.image_ref is not None:
+        return None
+    return f"missing image ({row.missing_image_reason})" if row.missing_image_reason else "missing image"
+
+
+def _raise_for_problems(
+    rows: list[SourceRow],
+    check: Callable[[SourceRow, set[str]], str | None],
+    name: str,
+    split: str,
+) -> None:
     seen_ids: set[str] = set()
-    for row in rows:
-        problem = _row_problem(row)
-        if problem is None and row.id in seen_ids:
-            problem = "duplicate sample id"
-        seen_ids.add(row.id)
-        if problem is not None:
-            problems.append(RowProblem(row.row_index, row.id, problem))
+    problems = [
+        RowProblem(row.row_index, row.id, problem)
+        for row in rows
+        if (problem := check(row, seen_ids)) is not None
+    ]
     if problems:
         raise VQADataError.for_rows(name, split, problems)
-    return [
-        VQASample(
-            id=row.id,
-            dataset=name,
-            split=split,
-            question=row.question.strip(),
-            answer=row.answer,
-            answer_type=row.answer_type,
-            question_kind=row.question_kind,
-            image_id=row.image_id,
-            source_row=row.row_index,
-            answers=row.answers,
-            image_ref=row.image_ref,
-        )
-        for row in rows
-    ]
+
+
+def _sample(row: SourceRow, name: str, split: str) -> VQASample:
+    assert row.image_ref is not None, "rows without images were rejected above"
+    return VQASample(
+        id=row.id,
+        dataset=name,
+        split=split,
+        question=row.question.strip(),
+        answer=row.answer,
+        answer_type=row.answer_type,
+        question_kind=row.question_kind,
+        image_id=row.image_id,
+        source_row=row.row_index,
+        answers=row.answers,
+        image_ref=row.image_ref,
+    )

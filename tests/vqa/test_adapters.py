@@ -132,6 +132,13 @@ def test_every_bad_row_is_listed_in_one_error(tmp_path: Path) -> None:
     assert [(row.row_index, row.problem) for row in caught.value.rows] == [(0, "empty question"), (2, "missing answer")]
 
 
+def test_text_problems_are_reported_before_any_image_is_looked_up(layout: SourceLayout, tmp_path: Path) -> None:
+    rows = [Row("", "yes", GOOD_ROWS[0].image), Row("is it?", "yes", None)]
+    with pytest.raises(VQADataError) as caught:
+        load_vqa(layout.dataset, layout.split, source=layout.write(tmp_path, layout.split, rows))
+    assert [row.problem for row in caught.value.rows] == ["empty question"]
+
+
 def test_unknown_split_lists_the_allowed_ones() -> None:
     with pytest.raises(VQADataError, match=r"unknown split 'dev'; allowed splits: train, test"):
         load_vqa("vqa-rad", "dev")

@@ -54,10 +54,17 @@ class EasyVQATable:
     def read_rows(self, indices: Sequence[int]) -> list[SourceRow]:
         return [self._row(index) for index in indices]
 
+    def attach_images(self, rows: list[SourceRow]) -> None:
+        for row in rows:
+            row.image_id = row.image_key
+            path = self._image_paths.get(self._image_ids[row.row_index])
+            if path is None:
+                row.missing_image_reason = f"no image file for image id {row.image_key}"
+            else:
+                row.image_ref = FileImage(Path(path))
+
     def _row(self, index: int) -> SourceRow:
         answer = canonical_answer(self._answers[index])
-        image_id = self._image_ids[index]
-        path = self._image_paths.get(image_id)
         return SourceRow(
             row_index=index,
             id=str(index),
@@ -65,9 +72,7 @@ class EasyVQATable:
             answer=answer,
             answer_type="closed",
             question_kind=question_kind(answer),
-            image_id=str(image_id),
-            image_ref=None if path is None else FileImage(Path(path)),
-            missing_image_reason=f"no image file for image id {image_id}",
+            image_key=str(self._image_ids[index]),
         )
 
 

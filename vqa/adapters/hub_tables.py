@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow.compute as pc
 
 from vqa.answers import canonical_answer, is_yes_no
 from vqa.errors import VQADataError
@@ -31,37 +32,31 @@ from vqa.schema import AnswerType
 from vqa.sources import is_hub_id, is_saved_dataset, open_hf_split, require_columns
 
 
-@dataclass(frozen=True)
-class RowFields:
-    """What a converter reads from one text row; ``image_key`` is None without a key."""
-
-    id: str
-    question: str
-    answer: str
-    answer_type: AnswerType
-    question_kind: str
-    image_key: str | None = None
-    answers: tuple[str, ...] = ()
-
-
-RowConverter = Callable[[dict[str, Any], int], RowFields]
+RowConverter = Callable[[dict[str, Any], int], SourceRow]
 
 _IMAGE_BATCH_ROWS = 256
 
 
-def _image_cells(images: datasets.Dataset, indices: Sequence[int]) -> Iterator[dict[str, Any] | None]:
+def _image_cells(
+    images: datasets.Dataset, indices: Sequence[int], with_digest: bool
+) -> Iterator[tuple[bool, str]]:
+    """(present, content digest or "") per row; bytes are read only when digests are needed."""
     subset = images.select(indices).with_format("arrow")
     for batch in subset.iter(batch_size=_IMAGE_BATCH_ROWS):
-        yield from batch.column(0).to_pylist()
+        cells = batch.column(0).combine_chunks()
+        if with_digest:
+            for cell in cells.to_pylist():
+                present = cell is not None and bool(cell.get("bytes") or cell.get("path"))
+                yield present, _content_digest(cell) if present else ""
+        else:
+            stored = pc.or_(pc.is_valid(cells.field("bytes")), pc.is_valid(cells.field("path")))
+            for present in pc.and_(pc.is_valid(cells), stored).to_pylist():
+                yield bool(present), ""
 
 
 def _content_digest(cell: dict[str, Any]) -> str:
     payload = cell.get("bytes") or str(cell.get("path")).encode()
     return hashlib.blake2b(payload, digest_size=8).hexdigest()
-
-
-def _has_image(cell: dict[str, Any] | None) -> bool:
-    return cell is not None and bool(cell.get("bytes") or cell.get("path"))
 
 
 def _undecoded_image_column(table: datasets.Dataset, column: str) -> datasets.Dataset:
@@ -88,54 +83,31 @@ class HFTable:
         return self._questions.num_rows
 
     def read_rows(self, indices: Sequence[int]) -> list[SourceRow]:
-        fields = [
-            self._convert(row, index)
-            for row, index in zip(self._questions.select(indices).to_list(), indices, strict=True)
-        ]
-        if self._image_row_by_key is not None:
-            return [self._keyed_row(index, field) for index, field in zip(indices, fields, strict=True)]
-        cells = _image_cells(self._images, indices)
-        return [
-            self._column_row(index, field, cell)
-            for index, field, cell in zip(indices, fields, cells, strict=True)
-        ]
+        texts = self._questions.select(indices).to_list()
+        return [self._convert(text, index) for text, index in zip(texts, indices, strict=True)]
 
-    def _keyed_row(self, index: int, fields: RowFields) -> SourceRow:
-        assert self._image_row_by_key is not None
-        image_row = self._image_row_by_key.get(fields.image_key or "")
-        if image_row is None:
-            reason = f"image key {fields.image_key!r} is not in the image table"
-            return _source_row(index, fields, fields.image_key or "", None, reason)
-        return _source_row(index, fields, fields.image_key or "", DatasetRowImage(self._images, image_row, "image"))
+    def attach_images(self, rows: list[SourceRow]) -> None:
+        if self._image_row_by_key is None:
+            self._attach_from_column(rows)
+            return
+        for row in rows:
+            row.image_id = row.image_key
+            image_row = self._image_row_by_key.get(row.image_key)
+            if image_row is None:
+                row.missing_image_reason = f"image key {row.image_key!r} is not in the image table"
+            else:
+                row.image_ref = DatasetRowImage(self._images, image_row, "image")
 
-    def _column_row(self, index: int, fields: RowFields, cell: dict[str, Any] | None) -> SourceRow:
-        if not _has_image(cell):
-            return _source_row(index, fields, fields.image_key or "", None, "the image cell is empty")
-        assert cell is not None
-        image_id = fields.image_key or _content_digest(cell)
+    def _attach_from_column(self, rows: list[SourceRow]) -> None:
         column = self._images.column_names[0]
-        return _source_row(index, fields, image_id, DatasetRowImage(self._images, index, column))
-
-
-def _source_row(
-    index: int,
-    fields: RowFields,
-    image_id: str,
-    image_ref: DatasetRowImage | None,
-    missing_image_reason: str = "",
-) -> SourceRow:
-    return SourceRow(
-        row_index=index,
-        id=fields.id,
-        question=fields.question,
-        answer=fields.answer,
-        answer_type=fields.answer_type,
-        question_kind=fields.question_kind,
-        image_id=image_id,
-        image_ref=image_ref,
-        answers=fields.answers,
-        missing_image_reason=missing_image_reason,
-    )
+        with_digest = any(not row.image_key for row in rows)
+        cells = _image_cells(self._images, [row.row_index for row in rows], with_digest)
+        for row, (present, digest) in zip(rows, cells, strict=True):
+            if not present:
+                row.missing_image_reason = f"the {column!r} cell is empty"
+                continue
+            row.image_id = row.image_key or digest
+            row.image_ref = DatasetRowImage(self._images, row.row_index, column)
 
 
 @dataclass(frozen=True)
@@ -143,7 +115,7 @@ class HFTableAdapter:
     """A table with question/answer columns and an image column (or a keyed image table).
 
     ``questions_config``/``images_config`` (templates over ``{split}``) are for sources
-    that publish images as a separate configuration keyed by ``RowFields.image_key``
+    that publish images as a separate configuration keyed by ````SourceRow.image_key````
     (lmms-lab/GQA); they apply to hub ids and snapshot directories, while saved
     datasets and data files are read as flat tables with an image column.
     ``optional_columns`` are passed to the converter when the source has them.
@@ -205,10 +177,11 @@ def _yes_no_or_other(answer: str) -> str:
     return "yes/no" if is_yes_no(answer) else "other"
 
 
-def convert_single_answer(row: dict[str, Any], index: int) -> RowFields:
+def convert_single_answer(row: dict[str, Any], index: int) -> SourceRow:
     """VQA-RAD and PathVQA (flaviagiammarino copies): image, question, answer."""
     answer = canonical_answer(row["answer"])
-    return RowFields(
+    return SourceRow(
+        row_index=index,
         id=str(index),
         question=str(row["question"] or ""),
         answer=answer,
@@ -217,11 +190,12 @@ def convert_single_answer(row: dict[str, Any], index: int) -> RowFields:
     )
 
 
-def convert_gqa(row: dict[str, Any], index: int) -> RowFields:
+def convert_gqa(row: dict[str, Any], index: int) -> SourceRow:
     """GQA: the structural type (verify, query, choose, logical, compare) is the kind."""
     answer = canonical_answer(row["answer"])
     structural = (row.get("types") or {}).get("structural")
-    return RowFields(
+    return SourceRow(
+        row_index=index,
         id=str(row["id"]),
         question=str(row["question"] or ""),
         answer=answer,
@@ -241,11 +215,12 @@ def _most_common(answers: tuple[str, ...]) -> str:
     return counts.most_common(1)[0][0] if counts else ""
 
 
-def convert_okvqa(row: dict[str, Any], index: int) -> RowFields:
+def convert_okvqa(row: dict[str, Any], index: int) -> SourceRow:
     """OK-VQA: ten human answers; the most frequent is the canonical one."""
     answers = _human_answers(row)
     answer = _most_common(answers)
-    return RowFields(
+    return SourceRow(
+        row_index=index,
         id=str(row["question_id"]),
         question=str(row["question"] or ""),
         answer=answer,
@@ -255,10 +230,11 @@ def convert_okvqa(row: dict[str, Any], index: int) -> RowFields:
     )
 
 
-def convert_vqav2(row: dict[str, Any], index: int) -> RowFields:
+def convert_vqav2(row: dict[str, Any], index: int) -> SourceRow:
     """VQAv2: ``multiple_choice_answer`` is the canonical answer; its answer_type is the kind."""
     kind = str(row["answer_type"] or "")
-    return RowFields(
+    return SourceRow(
+        row_index=index,
         id=str(row["question_id"]),
         question=str(row["question"] or ""),
         answer=canonical_answer(row["multiple_choice_answer"]),

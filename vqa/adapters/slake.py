@@ -74,10 +74,15 @@ class SlakeTable:
     def read_rows(self, indices: Sequence[int]) -> list[SourceRow]:
         return [self._row(self._english_rows[index]) for index in indices]
 
+    def attach_images(self, rows: list[SourceRow]) -> None:
+        for row in rows:
+            row.image_id = row.image_key
+            row.image_ref = self._images.find(row.image_key) if row.image_key else None
+            if row.image_ref is None:
+                row.missing_image_reason = self._images.describe(row.image_key) if row.image_key else "no img_name"
+
     def _row(self, row_index: int) -> SourceRow:
         record = self._records[row_index]
-        image_name = str(record.get("img_name") or "")
-        image_ref = self._images.find(image_name) if image_name else None
         return SourceRow(
             row_index=row_index,
             id=str(record.get("qid", row_index)),
@@ -85,9 +90,7 @@ class SlakeTable:
             answer=canonical_answer(record.get("answer")),
             answer_type=str(record.get("answer_type") or "").lower(),  # type: ignore[arg-type]
             question_kind=str(record.get("content_type") or "other").lower(),
-            image_id=image_name,
-            image_ref=image_ref,
-            missing_image_reason=self._images.describe(image_name) if image_name else "no img_name",
+            image_key=str(record.get("img_name") or ""),
         )
 
 
