@@ -237,7 +237,8 @@ def write_slake(root: Path, split: str, rows: Sequence[Row]) -> str:
             "triple": ["vhead", "_", "_"],
         }
         records.append({**common, "qid": 2 * index, "question": row.question, "answer": row.answer, "q_lang": "en"})
-        records.append({**common, "qid": 2 * index + 1, "question": "图中是什么器官?", "answer": "肝脏", "q_lang": "zh"})
+        chinese = {"qid": 2 * index + 1, "question": "图中是什么器官?", "answer": "肝脏", "q_lang": "zh"}
+        records.append({**common, **chinese})
     (root / "imgs").mkdir(exist_ok=True)
     (root / _SLAKE_SPLIT_FILES[split]).write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
     return str(root)
@@ -277,6 +278,10 @@ LAYOUTS = (
     SourceLayout("vqav2", "validation", write_vqav2),
     SourceLayout("easyvqa", "test", write_easyvqa),
 )
+
+
+def layout_of(dataset: str) -> SourceLayout:
+    return next(layout for layout in LAYOUTS if layout.dataset == dataset)
 
 
 @pytest.fixture(params=LAYOUTS, ids=str)

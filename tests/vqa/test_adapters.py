@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXPECTED_ANSWERS, GOOD_ROWS, LAYOUTS, Row, SourceLayout, png_bytes
+from conftest import EXPECTED_ANSWERS, GOOD_ROWS, LAYOUTS, Row, SourceLayout, layout_of, png_bytes
 from PIL import Image
 
 from vqa import VQADataError, dataset_names, get_adapter, load_vqa
@@ -39,35 +39,36 @@ def test_real_layout_maps_to_the_schema(layout: SourceLayout, tmp_path: Path) ->
 
 @pytest.mark.parametrize("dataset", ["vqa-rad", "slake", "pathvqa", "gqa", "okvqa"])
 def test_open_answers_are_open_and_yes_no_closed(dataset: str, tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == dataset)
+    layout = layout_of(dataset)
     samples = load_vqa(dataset, layout.split, source=layout.write(tmp_path, layout.split, GOOD_ROWS))
     assert [sample.answer_type for sample in samples] == ["closed", "open", "open"]
 
 
 def test_vqa_style_sources_keep_all_ten_human_answers(tmp_path: Path) -> None:
     for dataset in ("okvqa", "vqav2"):
-        layout = next(layout for layout in LAYOUTS if layout.dataset == dataset)
+        layout = layout_of(dataset)
         samples = load_vqa(dataset, layout.split, source=layout.write(tmp_path / dataset, layout.split, GOOD_ROWS))
         assert samples[1].answers == ("left lung",) * 6 + ("something else",) * 4
         assert samples[1].answer == "left lung"
 
 
 def test_vqav2_ids_and_kinds_come_from_the_source(tmp_path: Path) -> None:
-    samples = load_vqa("vqav2", "validation", source=next(l for l in LAYOUTS if l.dataset == "vqav2").write(tmp_path, "validation", GOOD_ROWS))
+    source = layout_of("vqav2").write(tmp_path, "validation", GOOD_ROWS)
+    samples = load_vqa("vqav2", "validation", source=source)
     assert [sample.id for sample in samples] == ["9000000", "9000001", "9000002"]
     assert [sample.image_id for sample in samples] == ["9000", "9001", "9002"]
     assert [sample.question_kind for sample in samples] == ["yes/no", "other", "other"]
 
 
 def test_gqa_joins_the_image_table_by_image_id_and_uses_structural_type(tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "gqa")
+    layout = layout_of("gqa")
     samples = load_vqa("gqa", "testdev", source=layout.write(tmp_path, "testdev", GOOD_ROWS))
     assert [sample.image_id for sample in samples] == ["n161313", "n161314", "n161315"]
     assert [sample.question_kind for sample in samples] == ["verify", "query", "query"]
 
 
 def test_slake_keeps_english_rows_and_uses_its_own_answer_type(tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "slake")
+    layout = layout_of("slake")
     samples = load_vqa("slake", "validation", source=layout.write(tmp_path, "validation", GOOD_ROWS))
     assert len(samples) == len(GOOD_ROWS)
     assert [sample.id for sample in samples] == ["0", "2", "4"]
@@ -77,7 +78,7 @@ def test_slake_keeps_english_rows_and_uses_its_own_answer_type(tmp_path: Path) -
 def test_questions_about_one_picture_share_an_image_id_without_an_image_key(tmp_path: Path) -> None:
     picture = Image.new("RGB", (12, 12), (1, 2, 3))
     rows = [Row("is it red?", "no", picture), Row("what colour?", "blue", picture), GOOD_ROWS[0]]
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "vqa-rad")
+    layout = layout_of("vqa-rad")
     samples = load_vqa("vqa-rad", "train", source=layout.write(tmp_path, "train", rows))
     assert samples[0].image_id == samples[1].image_id != samples[2].image_id
 
@@ -116,7 +117,8 @@ def test_unreadable_image_names_the_row_when_decoded_or_verified(layout: SourceL
     bad_index = layout.row_stride * len(GOOD_ROWS)
 
     samples = load_vqa(layout.dataset, layout.split, source=source)
-    with pytest.raises(VQADataError, match=rf"\[{layout.dataset}/{layout.split}\] row {bad_index} \(id '[^']+'\): unreadable image") as caught:
+    where = rf"\[{layout.dataset}/{layout.split}\] row {bad_index} \(id '[^']+'\)"
+    with pytest.raises(VQADataError, match=where + ": unreadable image") as caught:
         samples[-1].image
     assert caught.value.__cause__ is not None
 
@@ -125,7 +127,7 @@ def test_unreadable_image_names_the_row_when_decoded_or_verified(layout: SourceL
 
 
 def test_every_bad_row_is_listed_in_one_error(tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "vqa-rad")
+    layout = layout_of("vqa-rad")
     rows = [Row("", "yes", GOOD_ROWS[0].image), GOOD_ROWS[0], Row("q?", "", GOOD_ROWS[0].image)]
     with pytest.raises(VQADataError) as caught:
         load_vqa("vqa-rad", "train", source=layout.write(tmp_path, "train", rows))
@@ -150,7 +152,7 @@ def test_unknown_dataset_lists_the_known_ones() -> None:
 
 
 def test_split_absent_from_a_local_copy_names_the_splits_found(tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "pathvqa")
+    layout = layout_of("pathvqa")
     source = layout.write(tmp_path, "validation", GOOD_ROWS)
     with pytest.raises(VQADataError, match=r"split 'test' is not in .* \(splits found: validation\)"):
         load_vqa("pathvqa", "test", source=source)
@@ -160,10 +162,11 @@ def test_split_absent_from_a_local_copy_names_the_splits_found(tmp_path: Path) -
 def test_missing_columns_are_named_with_the_columns_found(dataset: str, tmp_path: Path) -> None:
     import datasets
 
-    table = datasets.Dataset.from_dict(
-        {"image": [{"bytes": png_bytes(Image.new("RGB", (2, 2))), "path": None}], "query": ["q"], "answer": ["a"]},
-        features=datasets.Features({"image": datasets.Image(), "query": datasets.Value("string"), "answer": datasets.Value("string")}),
+    features = datasets.Features(
+        {"image": datasets.Image(), "query": datasets.Value("string"), "answer": datasets.Value("string")}
     )
+    image = {"bytes": png_bytes(Image.new("RGB", (2, 2))), "path": None}
+    table = datasets.Dataset.from_dict({"image": [image], "query": ["q"], "answer": ["a"]}, features=features)
     datasets.DatasetDict({"train": table}).save_to_disk(tmp_path / "copy")
     with pytest.raises(VQADataError, match=r"lacks the columns .*question.*\(columns found: image, query, answer\)"):
         load_vqa(dataset, "train", source=str(tmp_path / "copy"))
@@ -197,7 +200,7 @@ def test_limit_draws_a_seeded_subset_in_source_order() -> None:
 
 
 def test_question_containing_the_image_placeholder_is_rejected(tmp_path: Path) -> None:
-    layout = next(layout for layout in LAYOUTS if layout.dataset == "easyvqa")
+    layout = layout_of("easyvqa")
     source = layout.write(tmp_path, "test", [Row("what is <image> showing?", "circle", GOOD_ROWS[0].image)])
     with pytest.raises(VQADataError, match=r"row 0 .*image placeholder"):
         load_vqa("easyvqa", "test", source=source)
