@@ -59,7 +59,7 @@ def _not_cached_message(hub_id: str) -> str:
         "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE). Supply a local copy with source=<path>: a "
         "directory written by DatasetDict.save_to_disk, a snapshot directory "
         f"(huggingface-cli download {hub_id} --repo-type dataset --local-dir <dir>), or a data "
-        "file (.parquet, .json, .jsonl, .csv, .arrow)"
+        "file (.parquet, .json, .jsonl, .csv, .arrow). If you meant a local path, it does not exist"
     )
 
 
