@@ -146,13 +146,17 @@ def load_random(
     )
 
 
-def _missing_weights_message(profile: Profile, what: str) -> str:
+def _unavailable(profile: Profile, what: str) -> ModelNotAvailableError:
     repo = profile.hf_id or "<hub id>"
-    return (
+    return ModelNotAvailableError(
         f"weights for profile {profile.name!r} are not available: {what}. On a machine with hub access run "
         f"`hf download {repo} --local-dir DIR`, copy DIR here, and point the model source (`source=` / the run "
         "config's model source) at DIR."
     )
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~"))
 
 
 def resolve_pretrained_source(profile: Profile, source: str | Path | None, cache_dir: str | Path | None) -> Path:
@@ -163,26 +167,20 @@ def resolve_pretrained_source(profile: Profile, source: str | Path | None, cache
     """
     source = profile.hf_id if source is None else source
     if source is None:
-        raise ModelNotAvailableError(_missing_weights_message(profile, "the profile names no hub id and no source was given"))
+        raise _unavailable(profile, "the profile names no hub id and no source was given")
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / CONFIG_FILE).is_file():
-            raise ModelNotAvailableError(_missing_weights_message(profile, f"folder {path} has no {CONFIG_FILE}"))
+            raise _unavailable(profile, f"folder {path} has no {CONFIG_FILE}")
         return path
-    if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
-        raise ModelNotAvailableError(
-            _missing_weights_message(profile, f"source {str(source)!r} is neither a checkpoint folder nor a hub id")
-        )
+    if path.exists() or not _looks_like_hub_id(str(source)):
+        raise _unavailable(profile, f"source {str(source)!r} is neither a checkpoint folder nor a hub id")
     cached_config = try_to_load_from_cache(str(source), CONFIG_FILE, cache_dir=cache_dir)
     if not isinstance(cached_config, str):
-        raise ModelNotAvailableError(
-            _missing_weights_message(profile, f"{source!r} is not a local folder and is not in the local HF cache")
-        )
+        raise _unavailable(profile, f"{source!r} is not a local folder and is not in the local HF cache")
     snapshot = Path(cached_config).parent
     if not any((snapshot / name).is_file() for name in WEIGHT_INDEX_FILES):
-        raise ModelNotAvailableError(
-            _missing_weights_message(profile, f"the HF cache holds {source!r}'s config but not its weights ({snapshot})")
-        )
+        raise _unavailable(profile, f"the HF cache holds {source!r}'s config but not its weights ({snapshot})")
     return snapshot
 
 
@@ -207,7 +205,7 @@ def load_pretrained_llava(
         )
         processor = AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
     except OSError as error:
-        raise ModelNotAvailableError(_missing_weights_message(profile, f"loading {checkpoint} failed ({error})")) from error
+        raise _unavailable(profile, f"loading {checkpoint} failed ({error})") from error
     return ModelBundle(
         model=model.eval(),
         profile=profile,

@@ -187,11 +187,14 @@ def test_mask_and_positions_change_the_result(tiny_model, pixel_values, make_pro
         kept = prune_randomly(vision_features(tiny_model, pixel_values), [3, 6, 9])
         visual = [project_visual_features(tiny_model, tokens) for tokens in kept]
         inputs = merge_multimodal_inputs(tiny_model, prompts, visual)
-        num_layers = TINY.num_layers
-        args = (inputs.hidden_states,)
-        logits = run_decoder_layers(tiny_model, *args, inputs.attention_mask, inputs.position_ids, 0, num_layers, apply_head=True)
-        attention_mask, position_ids = corrupt(inputs)
-        corrupted = run_decoder_layers(tiny_model, *args, attention_mask, position_ids, 0, num_layers, apply_head=True)
+
+        def run(attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+            return run_decoder_layers(
+                tiny_model, inputs.hidden_states, attention_mask, position_ids, 0, TINY.num_layers, apply_head=True
+            )
+
+        logits = run(inputs.attention_mask, inputs.position_ids)
+        corrupted = run(*corrupt(inputs))
     # Only the last (real, for left padding) token of each sample: the part generation reads.
     # Well above the equivalence tolerance, so those tests would see such a mistake.
     assert (logits[:, -1] - corrupted[:, -1]).abs().max() > 10 * TOLERANCE["atol"]
@@ -203,9 +206,12 @@ def test_uniform_position_shift_is_invisible_to_rotary_attention(tiny_model, pix
     with torch.no_grad():
         visual = project_visual_features(tiny_model, vision_features(tiny_model, pixel_values[:1]))
         inputs = merge_multimodal_inputs(tiny_model, prompts, visual)
-        run = lambda positions: run_decoder_layers(  # noqa: E731
-            tiny_model, inputs.hidden_states, inputs.attention_mask, positions, 0, TINY.num_layers, apply_head=True
-        )
+
+        def run(position_ids: torch.Tensor) -> torch.Tensor:
+            return run_decoder_layers(
+                tiny_model, inputs.hidden_states, inputs.attention_mask, position_ids, 0, TINY.num_layers, apply_head=True
+            )
+
         torch.testing.assert_close(run(inputs.position_ids + 7), run(inputs.position_ids), atol=1e-4, rtol=1e-4)
 
 
