@@ -7,7 +7,6 @@ paper-scale model, the offline mini model and the test model differ only in data
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
@@ -50,8 +49,9 @@ class Profile:
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
-        object.__setattr__(self, "text", MappingProxyType(dict(self.text)))
+        # Private copies (not read-only proxies, which cannot be pickled to Ray workers).
+        object.__setattr__(self, "vision", dict(self.vision))
+        object.__setattr__(self, "text", dict(self.text))
         if self.image_size % self.patch_size != 0:
             raise ValueError(
                 f"profile {self.name!r}: image_size={self.image_size} is not a multiple of "

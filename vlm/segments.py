@@ -263,15 +263,15 @@ def greedy_generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    num_layers = llava_parts(model).num_layers
-    device = llava_parts(model).lm_head.weight.device
+    parts = llava_parts(model)
+    device = parts.lm_head.weight.device
     generated: list[list[int]] = [[] for _ in prompt_ids]
     finished = [False] * len(prompt_ids)
     for _ in range(max_new_tokens):
         answers = [torch.tensor(tokens, dtype=torch.long, device=device) for tokens in generated]
         inputs = merge_multimodal_inputs(model, prompt_ids, visual_embeds, answers, padding_side="left")
         logits = run_decoder_layers(
-            model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, num_layers, apply_head=True
+            model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, parts.num_layers, apply_head=True
         )
         for sample, token in enumerate(logits[:, -1].argmax(-1).tolist()):
             if finished[sample]:

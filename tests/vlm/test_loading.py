@@ -1,3 +1,4 @@
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -157,3 +158,9 @@ def test_lazy_loader_module_is_imported_on_first_use(isolated_loader_registry, m
         load_model("tiny")
     with pytest.raises(ValueError, match="pass vocab_size"):  # reached the registered loader
         load_model("mini")
+
+
+def test_bundle_pickles_for_remote_workers():
+    bundle = pickle.loads(pickle.dumps(load_model("tiny", seed=0)))
+    assert bundle.profile == TINY
+    assert bundle.preprocess_images([Image.new("RGB", (8, 8))]).shape == (1, 3, TINY.image_size, TINY.image_size)
