@@ -1,0 +1,157 @@
+"""The ClientApp of every paradigm: one handler per message type (training.protocol).
+
+Handlers only translate messages: decode what arrived through the wire (which checks
+names, shapes, dtypes and finiteness), call the paradigm's client logic, encode the
+reply. An exception becomes Flower's error reply, whose reason the server reports.
+"""
+
+from collections.abc import Callable
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients.local import evaluate_local, train_steps
+from clients.runtime import ClientRuntime, client_runtime
+from clients.sl import SLClient
+from clients.split import SplitClient
+from clients.usl import USLClient
+from training import protocol
+from training.model import make_optimizer
+from vlm.lora import load_owner_state_dict, owner_state_dict
+from wire import Wire
+
+app = ClientApp()
+
+_SPLIT_CLIENTS = {"sl": SLClient, "usl": USLClient}
+
+
+def _reply(message: Message, wire: Wire, result: dict) -> Message:
+    content = RecordDict(
+        {protocol.TENSORS: wire.encode(result["tensors"]), protocol.METRICS: MetricRecord(result["metrics"])}
+    )
+    return Message(content=content, reply_to=message)
+
+
+def _config(message: Message) -> ConfigRecord:
+    return message.content.config_records[protocol.CONFIG]
+
+
+def _rows(message: Message, wire: Wire, rt: ClientRuntime, name: str) -> torch.Tensor:
+    hidden = rt.model.get_base_model().config.text_config.hidden_size
+    record = message.content.array_records[protocol.TENSORS]
+    return wire.decode(record, {name: ((None, hidden), "float")}, what=f"{message.metadata.message_type}")[name]
+
+
+def _split_handler(body: Callable[[SplitClient, Message, Wire], dict]) -> Callable[[Message, Context], Message]:
+    def handler(message: Message, context: Context) -> Message:
+        rt = client_runtime(context)
+        if rt.config.paradigm not in _SPLIT_CLIENTS:
+            raise ValueError(f"{message.metadata.message_type} is a split-learning message; this run is {rt.config.paradigm!r}")
+        wire = Wire(rt.config.wire.dtype)
+        return _reply(message, wire, body(_SPLIT_CLIENTS[rt.config.paradigm](rt), message, wire))
+
+    return handler
+
+
+def _begin(client: SplitClient, message: Message, wire: Wire) -> dict:
+    config = _config(message)
+    return client.begin(int(config["round"]), int(config["committed-round"]))
+
+
+def _front_backward(client: SplitClient, message: Message, wire: Wire) -> dict:
+    config = _config(message)
+    grad = _rows(message, wire, client.rt, "grad")
+    return client.front_backward(int(config["round"]), grad, bool(config["go-on"]))
+
+
+def _usl_tail(client: USLClient, message: Message, wire: Wire) -> dict:
+    return client.tail_step(int(_config(message)["round"]), _rows(message, wire, client.rt, "rows"))
+
+
+def _eval_begin(client: SplitClient, message: Message, wire: Wire) -> dict:
+    result = client.eval_begin(int(_config(message)["batch"]))
+    result["metrics"]["eval-batches"] = float(client.num_eval_batches())
+    return result
+
+
+def _usl_eval_tail(client: USLClient, message: Message, wire: Wire) -> dict:
+    return client.eval_tail(_rows(message, wire, client.rt, "rows"))
+
+
+def _sl_eval_next(client: SLClient, message: Message, wire: Wire) -> dict:
+    record = message.content.array_records[protocol.TENSORS]
+    tokens = wire.decode(record, {"tokens": ((None,), "index")}, what=message.metadata.message_type)["tokens"]
+    return client.eval_advance(tokens.tolist())
+
+
+for _name, _body in (
+    (protocol.SPLIT_BEGIN, _begin),
+    (protocol.SL_BACKWARD, _front_backward),
+    (protocol.USL_HEAD, _front_backward),
+    (protocol.USL_TAIL, _usl_tail),
+    (protocol.EVAL_BEGIN, _eval_begin),
+    (protocol.USL_EVAL_TAIL, _usl_eval_tail),
+    (protocol.SL_EVAL_NEXT, _sl_eval_next),
+):
+    _kind, _action = _name.split(".")
+    getattr(app, _kind)(_action)(_split_handler(_body))
+
+
+@app.train("cl")
+def cl_train(message: Message, context: Context) -> Message:
+    """CL: the one trainer runs a round's steps on all data; adapters and AdamW stay private."""
+    rt = client_runtime(context)
+    config = _config(message)
+    rt.store.begin_round(int(config["committed-round"]))
+    rt.sync_private_state()
+    metrics = train_steps(rt, rt.optimizers["all"], rt.config.train.steps_per_round, rt.config.train.grad_accum)
+    rt.save_private_state(int(config["round"]))
+    return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": metrics})
+
+
+@app.evaluate("local")
+def local_evaluate(message: Message, context: Context) -> Message:
+    rt = client_runtime(context)
+    rt.sync_private_state()
+    return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": evaluate_local(rt)})
+
+
+def _load_global(message: Message, rt: ClientRuntime, wire: Wire) -> None:
+    """FL: the server's adapters, checked against this model's own adapter set."""
+    segment = rt.owned["all"]
+    own = owner_state_dict(rt.model, segment)
+    expected = {key: (tuple(value.shape), "float") for key, value in own.items()}
+    arrays = wire.decode(message.content.array_records[protocol.ARRAYS], expected, what="global adapters")
+    dtype = next(iter(own.values())).dtype
+    load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()})
+
+
+@app.train()
+def fl_train(message: Message, context: Context) -> Message:
+    """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
+    rt = client_runtime(context)
+    wire = Wire(rt.config.wire.dtype)
+    _load_global(message, rt, wire)
+    optimizer = make_optimizer(rt.parameters("all"), rt.config)
+    # The batch order continues across rounds without any state surviving on the client.
+    rt.step = (int(_config(message)["round"]) - 1) * rt.config.train.steps_per_round
+    metrics = train_steps(rt, optimizer, rt.config.train.steps_per_round, 1)
+    content = RecordDict(
+        {
+            protocol.ARRAYS: wire.encode(owner_state_dict(rt.model, rt.owned["all"])),
+            protocol.METRICS: MetricRecord(metrics),
+        }
+    )
+    return Message(content=content, reply_to=message)
+
+
+@app.evaluate()
+def fl_evaluate(message: Message, context: Context) -> Message:
+    rt = client_runtime(context)
+    wire = Wire(rt.config.wire.dtype)
+    _load_global(message, rt, wire)
+    metrics = evaluate_local(rt)
+    metrics["num-examples"] = metrics["count"]
+    metrics["accuracy"] = metrics["correct"] / max(metrics["count"], 1.0)
+    return Message(content=RecordDict({protocol.METRICS: MetricRecord(metrics)}), reply_to=message)

@@ -1,0 +1,61 @@
+"""Whole-model training on one client: CL's single trainer and FL's local epochs.
+
+Both train every decoder layer's LoRA on local data; they differ in where the
+adapters and the optimiser live between rounds (CL: the client's private store;
+FL: the adapters come from the server each round and AdamW starts fresh).
+"""
+
+import torch
+
+from clients.runtime import ClientRuntime
+from training.batches import batch_positions, decoder_inputs
+from vlm.segments import greedy_generate, next_token_loss, project_visual_features, run_decoder_layers
+from vqa import score_sample
+
+
+def train_steps(rt: ClientRuntime, optimizer: torch.optim.Optimizer, steps: int, grad_accum: int) -> dict:
+    """`steps` optimiser steps of `grad_accum` micro-batches each; the mean micro-batch loss."""
+    config, model = rt.config, rt.model
+    total = 0.0
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(grad_accum):
+            positions = batch_positions(
+                len(rt.train), config.train.batch_size, rt.step * grad_accum + micro, config.model.seed
+            )
+            batch = [rt.train[p] for p in positions]
+            inputs, _ = decoder_inputs(
+                model, rt.features, rt.selector, batch, [item.answer_ids for item in batch], rt.party.device
+            )
+            logits = run_decoder_layers(
+                model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0,
+                rt.party.segments[0].stop, apply_head=True,
+            )
+            loss = next_token_loss(logits, inputs.labels) / grad_accum
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        rt.step += 1
+    return {"loss": total / steps, "num-examples": float(steps * grad_accum * config.train.batch_size)}
+
+
+@torch.no_grad()
+def evaluate_local(rt: ClientRuntime) -> dict:
+    """Greedy answers on the client's test share; the summed score and the count."""
+    config, model = rt.config, rt.model
+    correct = 0.0
+    for start in range(0, len(rt.test), config.eval.batch_size):
+        batch = rt.test[start : start + config.eval.batch_size]
+        features = rt.features.stack([item.sample for item in batch]).to(rt.party.device)
+        keep = rt.selector(features, [item.sample.question for item in batch])
+        dtype = next(model.parameters()).dtype
+        visual = [
+            project_visual_features(model, features[i, k].unsqueeze(0).to(dtype))[0] for i, k in enumerate(keep)
+        ]
+        generated = greedy_generate(
+            model, [item.prompt_ids for item in batch], visual,
+            max_new_tokens=config.eval.max_new_tokens, eos_token_id=rt.tokenizer.eos_token_id,
+        )
+        for tokens, item in zip(generated, batch, strict=True):
+            correct += score_sample(rt.tokenizer.decode(tokens, skip_special_tokens=True), item.sample)
+    return {"correct": correct, "count": float(len(rt.test))}

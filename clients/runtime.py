@@ -1,0 +1,164 @@
+"""Everything a client needs for a message: config, model, its data shard, its private state.
+
+Building it (model, tokenizer, shard, vision features) is the same in every process,
+so a warm process keeps it (`client_runtime`); what a client *learns* — its adapters,
+optimiser state and step counter — lives only in its PrivateStore on disk and is
+reloaded whenever the disk holds a newer snapshot than the process.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Context
+
+from sims.schema import SimConfig, load_config
+from training.batches import EncodedSample, encode_samples
+from training.model import PartyModel, load_party_model, make_optimizer
+from training.selector import VisualTokenSelector, build_selector
+from training.store import PrivateStore
+from vlm.cuts import LayerSegment
+from vlm.features import VisionFeatureCache
+from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_dict
+from vlm.mini.tokenizer import build_word_tokenizer
+from vqa import build_prompt, load_vqa, partition_indices
+
+# The segments a client trains and keeps, per paradigm (vlm.cuts owner names).
+CLIENT_OWNERS = {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")}
+
+
+def run_folder(config: SimConfig) -> Path:
+    root = Path(config.output.root).expanduser() if config.output.root else Path.home() / "qpriv-runs"
+    return root / config.output.name
+
+
+@dataclass
+class ClientRuntime:
+    config: SimConfig
+    partition_id: int
+    party: PartyModel
+    tokenizer: Any
+    train: list[EncodedSample]
+    test: list[EncodedSample]
+    features: VisionFeatureCache
+    selector: VisualTokenSelector
+    store: PrivateStore
+    owned: dict[str, LayerSegment]
+    # The seeded adapters every party starts from (not learned, so not private state).
+    initial_lora: dict[str, dict[str, torch.Tensor]]
+    optimizers: dict[str, torch.optim.AdamW] = field(default_factory=dict)
+    step: int = 0
+    loaded_version: tuple[int, int] | None = None
+
+    @property
+    def model(self):
+        return self.party.model
+
+    def parameters(self, owner: str) -> list[torch.nn.Parameter]:
+        return list(owner_lora_parameters(self.model, self.owned[owner]).values())
+
+    def reset_private_state(self) -> None:
+        """The run's starting point: seeded LoRA, fresh AdamW, step 0."""
+        for owner, segment in self.owned.items():
+            load_owner_state_dict(self.model, segment, self.initial_lora[owner])
+        self.optimizers = {owner: make_optimizer(self.parameters(owner), self.config) for owner in self.owned}
+        self.step = 0
+
+    def sync_private_state(self) -> None:
+        """Load the newest snapshot if this process does not hold it already."""
+        version = self.store.version()
+        if version is not None and version == self.loaded_version:
+            return
+        state = self.store.load()
+        if state is None:
+            self.reset_private_state()
+        else:
+            for owner, segment in self.owned.items():
+                load_owner_state_dict(self.model, segment, state["lora"][owner])
+            self.optimizers = {owner: make_optimizer(self.parameters(owner), self.config) for owner in self.owned}
+            for owner, optimizer in self.optimizers.items():
+                optimizer.load_state_dict(state["optim"][owner])
+            self.step = int(state["step"])
+        self.loaded_version = version
+
+    def save_private_state(self, round_: int) -> None:
+        self.store.save(
+            round_,
+            {
+                "lora": {owner: owner_state_dict(self.model, segment) for owner, segment in self.owned.items()},
+                "optim": {owner: optimizer.state_dict() for owner, optimizer in self.optimizers.items()},
+                "step": self.step,
+            },
+        )
+        self.loaded_version = self.store.version()
+
+
+_RUNTIMES: dict[tuple[str, int, str], ClientRuntime] = {}
+
+
+def client_runtime(context: Context) -> ClientRuntime:
+    """The runtime of this node for this run, built once per process."""
+    config = load_config(context.run_config)
+    partition_id = int(context.node_config.get("partition-id", 0))
+    num_partitions = int(context.node_config.get("num-partitions", config.clients.count))
+    if num_partitions != config.clients.count or not 0 <= partition_id < num_partitions:
+        raise ValueError(
+            f"node has partition-id={partition_id} of num-partitions={num_partitions}, but the run config says "
+            f"clients.count={config.clients.count}; start the federation with num-supernodes={config.clients.count}"
+        )
+    state_dir = str(
+        context.node_config.get("state-dir") or run_folder(config) / "clients" / f"partition-{partition_id}"
+    )
+    key = (config.fingerprint(), partition_id, state_dir)
+    if key not in _RUNTIMES:
+        _RUNTIMES[key] = build_runtime(config, partition_id, state_dir)
+    return _RUNTIMES[key]
+
+
+def _texts(samples: Iterable) -> list[str]:
+    return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
+
+
+def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:
+    data = config.data
+    source = data.source or None
+    train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None, seed=data.seed)
+    test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed)
+    count = config.clients.count
+    train_shard = partition_indices(train_all, count, method=data.partition, seed=data.seed, alpha=data.alpha)
+    # Test questions are split evenly: each client scores its own share with its own model.
+    test_shard = partition_indices(test_all, count, method="iid", seed=data.seed)
+    party = load_party_model(config)
+    tokenizer = party.bundle.tokenizer or build_word_tokenizer(_texts([*train_all, *test_all]))
+    if party.bundle.tokenizer is None and len(tokenizer) > party.bundle.model.config.text_config.vocab_size:
+        raise ValueError(
+            f"the data's word tokenizer has {len(tokenizer)} tokens, more than profile "
+            f"{config.model.profile!r}'s vocabulary of {party.bundle.model.config.text_config.vocab_size}"
+        )
+    train = encode_samples(train_all.select(train_shard[partition_id]), tokenizer, party.instruction)
+    test = encode_samples(test_all.select(test_shard[partition_id]), tokenizer, party.instruction)
+    store = PrivateStore(state_dir)
+    features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
+    cached = store.path("vision-features.pt")
+    if cached.exists():
+        features.load(cached)
+    missing = [item.sample for item in [*train, *test] if item.sample.image_id not in features]
+    if missing:
+        features.add(missing, progress=False)
+        features.save(cached)
+    owned = {segment.owner: segment for segment in party.segments if segment.owner in CLIENT_OWNERS[config.paradigm]}
+    return ClientRuntime(
+        config=config,
+        partition_id=partition_id,
+        party=party,
+        tokenizer=tokenizer,
+        train=train,
+        test=test,
+        features=features,
+        selector=build_selector(config),
+        store=store,
+        owned=owned,
+        initial_lora={owner: owner_state_dict(party.model, segment) for owner, segment in owned.items()},
+    )

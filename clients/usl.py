@@ -1,0 +1,47 @@
+"""USL client: private head [0, CA) and tail [CB, L) + LM head, each with its own AdamW.
+
+The server sees the packed activation at CA and the gradient at CB — never the image,
+the question, the answer, the labels or the logits: the loss is computed here.
+"""
+
+import torch
+
+from clients.split import SplitClient
+from vlm.segments import next_token_loss, run_decoder_layers
+from wire import unpack_rows
+
+
+class USLClient(SplitClient):
+    front = "head"
+
+    def _tail(self, inputs, rows: torch.Tensor) -> torch.Tensor:
+        tail = self.rt.owned["tail"]
+        hidden, attention_mask, position_ids = unpack_rows(rows, inputs.attention_mask.sum(-1))
+        return run_decoder_layers(
+            self.rt.model, hidden, attention_mask, position_ids, tail.start, tail.stop, apply_head=True
+        )
+
+    def tail_step(self, round_: int, rows: torch.Tensor) -> dict:
+        """Activation at CB -> tail, loss, backward, tail update; reply the gradient at CB."""
+        rt = self.rt
+        rt.sync_private_state()
+        batch = self.train_batch()
+        with torch.no_grad():
+            inputs, _ = self.inputs(batch, [item.answer_ids for item in batch])
+        rows = rows.to(rt.party.device, next(rt.model.parameters()).dtype).requires_grad_()
+        loss = next_token_loss(self._tail(inputs, rows), inputs.labels)
+        optimizer = rt.optimizers["tail"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        rt.save_private_state(round_)
+        return {"tensors": {"grad": rows.grad.detach()}, "metrics": {"loss": float(loss)}}
+
+    def eval_tail(self, rows: torch.Tensor) -> dict:
+        scratch = self._scratch()
+        batch = self.eval_batch(scratch["batch"])
+        with torch.no_grad():
+            inputs, _ = self.inputs(batch, self._answers(scratch["generated"]))
+            rows = rows.to(self.rt.party.device, next(self.rt.model.parameters()).dtype)
+            next_tokens = self._tail(inputs, rows)[:, -1].argmax(-1).tolist()
+        return self.eval_advance(next_tokens)

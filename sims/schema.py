@@ -1,0 +1,256 @@
+"""The simulation config: one structured schema, validated once before any model loads.
+
+Flower hands apps a flat run config (`[tool.flwr.app.config]`, dotted keys, overridable
+with `flwr run DIR --run-config 'key=value'`). `load_config` turns it into a typed,
+nested `SimConfig` and checks every value against what is allowed, so a typo fails in
+milliseconds with one message naming the key, the value and the allowed values —
+never after minutes of model loading.
+"""
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from vlm.profiles import get_profile, profile_names
+from vqa import dataset_names
+from wire import WIRE_DTYPES
+
+PARADIGMS = ("cl", "fl", "sl", "usl")
+PARTITIONS = ("iid", "dirichlet")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+# The schema names every policy of SPEC §1; only "off" runs until pruning lands.
+PRUNING_POLICIES = ("off", "fixed", "dtp")
+IMPLEMENTED_PRUNING_POLICIES = ("off",)
+# Keys that may change when a run resumes (a longer run, a different timeout).
+RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume")
+
+
+class ConfigError(ValueError):
+    """A run-config value that is not allowed; the message names key, value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"run config {key}={value!r} is not allowed; allowed: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    profile: str = "mini"
+    # A local checkpoint folder (or a hub id already in the local HF cache) for real weights.
+    source: str = ""
+    # mini only: "base" is the starting point every paradigm fine-tunes.
+    stage: str = "base"
+    dtype: str = "fp32"
+    device: str = "auto"
+    # 0: the profile's rank.
+    lora_rank: int = 0
+    seed: int = 0
+
+
+@dataclass
+class SplitConfig:
+    # 0: the profile's default cut(s).
+    sl_cut: int = 0
+    cut_a: int = 0
+    cut_b: int = 0
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "easyvqa"
+    source: str = ""
+    train_split: str = "train"
+    test_split: str = "test"
+    # 0: every row.
+    train_limit: int = 0
+    test_limit: int = 0
+    partition: str = "iid"
+    alpha: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class ClientsConfig:
+    count: int = 2
+    # FL only: share of clients sampled per round.
+    fraction_train: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 3
+    # Optimiser steps per client per round: T_l in FL, the turn length in SL/USL, steps in CL.
+    steps_per_round: int = 10
+    batch_size: int = 8
+    # CL only: micro-batches accumulated per optimiser step.
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    # Evaluate after every `every` rounds (and after the last); 0: never.
+    every: int = 1
+    batch_size: int = 32
+    max_new_tokens: int = 4
+
+
+@dataclass
+class WireConfig:
+    dtype: str = "fp32"
+
+
+@dataclass
+class PruningConfig:
+    policy: str = "off"
+    ratio: float = 0.0
+
+
+@dataclass
+class FaultsConfig:
+    # Longest wait for one reply; a client that misses it loses its turn.
+    timeout_s: float = 600.0
+
+
+@dataclass
+class OutputConfig:
+    # Run folders go to root/name; "" for root: ~/qpriv-runs.
+    root: str = ""
+    name: str = MISSING
+    # Continue from the run folder's last checkpoint when it exists.
+    resume: bool = True
+
+
+@dataclass
+class SimConfig:
+    paradigm: str = "usl"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """The decoder cuts of this paradigm: () for CL/FL, (C,) for SL, (CA, CB) for USL."""
+        if self.paradigm == "sl":
+            return (self.split.sl_cut,)
+        if self.paradigm == "usl":
+            return (self.split.cut_a, self.split.cut_b)
+        return ()
+
+    def to_flat(self) -> dict[str, Any]:
+        return _flatten(OmegaConf.to_container(OmegaConf.structured(self)))
+
+    def fingerprint(self, *, ignore: tuple[str, ...] = RESUMABLE_KEYS) -> str:
+        kept = {key: value for key, value in self.to_flat().items() if key not in ignore}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, ", ".join(allowed))
+
+
+def _at_least(key: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ConfigError(key, value, f">= {minimum}")
+
+
+def load_config(run_config: Mapping[str, Any]) -> SimConfig:
+    """A validated SimConfig from Flower's flat run config (dotted keys)."""
+    base = OmegaConf.structured(SimConfig)
+    for key, value in run_config.items():
+        try:
+            OmegaConf.update(base, key, value, merge=False, force_add=False)
+        except OmegaConfBaseException as error:
+            reason = str(error).splitlines()[0]
+            if "not in" in reason:
+                known = ", ".join(sorted(_flatten(OmegaConf.to_container(base))))
+                raise ConfigError(key, value, f"one of the known keys: {known}") from None
+            raise ConfigError(key, value, f"a value of the key's type ({reason})") from None
+    if OmegaConf.is_missing(base.output, "name"):
+        raise ConfigError("output.name", None, "a non-empty run name (the run folder's name)")
+    config: SimConfig = OmegaConf.to_object(base)
+    validate(config)
+    return config
+
+
+def validate(config: SimConfig) -> None:
+    """Check every value; fills the profile-default cuts and LoRA rank in place."""
+    _choice("paradigm", config.paradigm, PARADIGMS)
+    _choice("model.profile", config.model.profile, profile_names())
+    profile = get_profile(config.model.profile)
+    _choice("model.dtype", config.model.dtype, COMPUTE_DTYPES)
+    _choice("model.device", config.model.device, DEVICES)
+    _at_least("model.lora_rank", config.model.lora_rank, 0)
+    if config.model.lora_rank == 0:
+        config.model.lora_rank = profile.lora_rank
+    layers = profile.num_layers
+    split = config.split
+    split.sl_cut = split.sl_cut or profile.sl_cut
+    split.cut_a = split.cut_a or profile.usl_cuts[0]
+    split.cut_b = split.cut_b or profile.usl_cuts[1]
+    if not 0 < split.sl_cut < layers:
+        raise ConfigError("split.sl_cut", split.sl_cut, f"an integer in [1, {layers - 1}] ({profile.name} has {layers} layers)")
+    if not 0 < split.cut_a < layers - 1:
+        raise ConfigError("split.cut_a", split.cut_a, f"an integer in [1, {layers - 2}] with cut_a < cut_b")
+    if not split.cut_a < split.cut_b < layers:
+        raise ConfigError(
+            "split.cut_b", split.cut_b, f"an integer in [{split.cut_a + 1}, {layers - 1}] (cut_a={split.cut_a} < cut_b < {layers})"
+        )
+    _choice("data.dataset", config.data.dataset, dataset_names())
+    _choice("data.partition", config.data.partition, PARTITIONS)
+    _at_least("data.train_limit", config.data.train_limit, 0)
+    _at_least("data.test_limit", config.data.test_limit, 0)
+    if config.data.alpha <= 0:
+        raise ConfigError("data.alpha", config.data.alpha, "> 0")
+    _at_least("clients.count", config.clients.count, 1)
+    if config.paradigm == "cl" and config.clients.count != 1:
+        raise ConfigError("clients.count", config.clients.count, "1 for paradigm cl (one trainer holds all data)")
+    if not 0 < config.clients.fraction_train <= 1:
+        raise ConfigError("clients.fraction_train", config.clients.fraction_train, "a share in (0, 1]")
+    for key in ("rounds", "steps_per_round", "batch_size", "grad_accum"):
+        _at_least(f"train.{key}", getattr(config.train, key), 1)
+    if config.paradigm != "cl" and config.train.grad_accum != 1:
+        raise ConfigError("train.grad_accum", config.train.grad_accum, "1 unless paradigm=cl")
+    if not config.train.lr > 0:
+        raise ConfigError("train.lr", config.train.lr, "> 0")
+    _at_least("train.weight_decay", config.train.weight_decay, 0)
+    _at_least("eval.every", config.eval.every, 0)
+    _at_least("eval.batch_size", config.eval.batch_size, 1)
+    _at_least("eval.max_new_tokens", config.eval.max_new_tokens, 1)
+    _choice("wire.dtype", config.wire.dtype, sorted(WIRE_DTYPES))
+    _choice("pruning.policy", config.pruning.policy, PRUNING_POLICIES)
+    if config.pruning.policy not in IMPLEMENTED_PRUNING_POLICIES:
+        raise ConfigError(
+            "pruning.policy", config.pruning.policy, f"{', '.join(IMPLEMENTED_PRUNING_POLICIES)} (the others are not implemented yet)"
+        )
+    if not 0 <= config.pruning.ratio < 1:
+        raise ConfigError("pruning.ratio", config.pruning.ratio, "a share in [0, 1)")
+    if not config.faults.timeout_s > 0:
+        raise ConfigError("faults.timeout_s", config.faults.timeout_s, "> 0 seconds")
+    if not config.output.name or "/" in config.output.name:
+        raise ConfigError("output.name", config.output.name, "a non-empty folder name without '/'")

@@ -1,0 +1,89 @@
+"""The ServerApp of every paradigm; `paradigm` in the run config picks the strategy.
+
+Order matters: the config is validated before anything loads, the run folder's
+status says "running" before the model loads, and any failure — bad config aside,
+which has no folder yet — ends as status "failed" with its reason, because
+`flwr run --stream` exits 0 either way.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from flwr.app import ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from clients.runtime import run_folder
+from sims.schema import SimConfig, load_config
+from strategies.base import RoundStrategy
+from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
+from strategies.cl import CLStrategy
+from strategies.fl import WireFedAvg, to_numpy_record
+from strategies.split import SLStrategy, USLStrategy
+from training.model import load_party_model
+from vlm.lora import owner_state_dict
+from wire import Transfer, Wire
+
+log = logging.getLogger(__name__)
+
+app = ServerApp()
+
+# Observers of what the server receives (the attack suite's recorders) register here.
+OBSERVER_FACTORIES: list[Callable[[SimConfig, RunFolder], Callable[[Transfer], None]]] = []
+
+
+def build_round_strategy(config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback]) -> RoundStrategy:
+    if config.paradigm == "cl":
+        return CLStrategy(config, wire, callbacks)
+    party = load_party_model(config)
+    strategy_class = {"sl": SLStrategy, "usl": USLStrategy}[config.paradigm]
+    return strategy_class(config, party, wire, list(callbacks))
+
+
+def run(grid: Grid, config: SimConfig) -> RunFolder:
+    """Run (or resume) the simulation `config` describes on `grid`; returns its folder."""
+    folder = RunFolder(config, run_folder(config))
+    folder.write_status("starting")
+    try:
+        started = time.perf_counter()
+        wire = Wire(config.wire.dtype)
+        for factory in OBSERVER_FACTORIES:
+            wire.subscribe(factory(config, folder))
+        first_round = folder.committed_round() + 1
+        num_rounds = config.train.rounds
+        callbacks = [MetricsLog(folder), Checkpointer(folder), StatusReporter(folder, num_rounds)]
+        checkpoint = folder.load_checkpoint()
+        if config.paradigm == "fl":
+            party = load_party_model(config)
+            initial = owner_state_dict(party.model, party.segments[0])
+            if checkpoint is not None:
+                initial = checkpoint["arrays"]
+            strategy = WireFedAvg(
+                config, wire, {k: tuple(v.shape) for k, v in initial.items()}, callbacks, first_round, num_rounds
+            )
+            if first_round <= num_rounds:
+                strategy.start(
+                    grid=grid,
+                    initial_arrays=to_numpy_record(initial),
+                    num_rounds=num_rounds - first_round + 1,
+                    timeout=config.faults.timeout_s,
+                    train_config=ConfigRecord(),
+                    evaluate_config=ConfigRecord(),
+                )
+        else:
+            strategy = build_round_strategy(config, wire, callbacks)
+            if checkpoint is not None:
+                strategy.load_state_dict(checkpoint)
+            strategy.run(grid, first_round, num_rounds)
+        folder.write_status(
+            "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started
+        )
+    except BaseException as error:
+        folder.write_status("failed", **failure_details(error))
+        raise
+    return folder
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run(grid, load_config(context.run_config))

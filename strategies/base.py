@@ -1,0 +1,120 @@
+"""A small base for strategies that drive their own rounds (CL, SL, USL).
+
+Subclasses implement `train_round` and `evaluate_round` (hooks) and say what their
+server-side state is; the base runs rounds from a checkpoint, counts round trips,
+times rounds, applies fault handling to every exchange, and hands each round's
+record and state to the callbacks (metrics, checkpoints, status).
+"""
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from sims.schema import SimConfig
+from strategies.callbacks import RunCallback
+from training import protocol
+from wire import Wire, WireError
+
+log = logging.getLogger(__name__)
+
+
+class ClientFault(RuntimeError):
+    """A client's reply is missing, is an error, or was rejected by the wire."""
+
+
+class RoundStrategy:
+    def __init__(self, config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback] = ()) -> None:
+        self.config = config
+        self.wire = wire
+        self.callbacks = list(callbacks)
+        self.round_trips: Counter[tuple[int, str]] = Counter()
+        self.faults: dict[int, list[dict[str, Any]]] = {}
+
+    # -- hooks -----------------------------------------------------------------------------
+    def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict returned (nothing for a stateless server)."""
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, grid: Grid, first_round: int, num_rounds: int) -> list[dict[str, Any]]:
+        records = []
+        nodes = wait_for_nodes(grid, self.config.clients.count, self.config.faults.timeout_s)
+        for round_ in range(first_round, num_rounds + 1):
+            started = time.perf_counter()
+            record = self.train_round(grid, round_, nodes)
+            if self.evaluation_due(round_, num_rounds):
+                record.update(self.evaluate_round(grid, round_, nodes))
+            record.update(self.wire.ledger.round_totals(round_))
+            record["bytes_per_client"] = self.wire.ledger.per_client(round_)
+            record["round_trips_train"] = self.round_trips[round_, "train"]
+            record["round_trips_eval"] = self.round_trips[round_, "evaluate"]
+            if record.get("steps"):
+                record["round_trips_per_step"] = record["round_trips_train"] / record["steps"]
+            record["faults"] = self.faults.get(round_, [])
+            record["wall_s"] = time.perf_counter() - started
+            for callback in self.callbacks:
+                callback.on_round_end(round_, record, self.state_dict())
+            records.append(record)
+        return records
+
+    def evaluation_due(self, round_: int, num_rounds: int) -> bool:
+        every = self.config.eval.every
+        return every > 0 and (round_ % every == 0 or round_ == num_rounds)
+
+    # -- one exchange with one client ------------------------------------------------------
+    def exchange(
+        self, grid: Grid, node: int, round_: int, message_type: str, config: dict[str, Any], tensors: dict | None = None
+    ) -> RecordDict:
+        """Send one message and wait for its reply: one round trip, counted and timed out."""
+        content = RecordDict({protocol.CONFIG: ConfigRecord({"round": round_, **config})})
+        if tensors is not None:
+            content[protocol.TENSORS] = self.wire.encode(tensors)
+        self.wire.sent(round_, node, content)
+        message = Message(content=content, message_type=message_type, dst_node_id=node)
+        replies = list(grid.send_and_receive([message], timeout=self.config.faults.timeout_s))
+        self.round_trips[round_, message_type.split(".")[0]] += 1
+        if not replies:
+            raise ClientFault(f"no reply to {message_type} within faults.timeout_s={self.config.faults.timeout_s}s")
+        reply = replies[0]
+        if reply.has_error():
+            raise ClientFault(f"{message_type} raised on the client: {reply.error.reason.strip()}")
+        return reply.content
+
+    def record_fault(self, round_: int, node: int, phase: str, error: Exception, consequence: str) -> None:
+        reason = str(error)
+        log.warning("round %d, client %d, %s: %s (%s)", round_, node, phase, reason.splitlines()[-1] if reason else "", consequence)
+        self.faults.setdefault(round_, []).append(
+            {"client": node, "phase": phase, "reason": reason[-2000:], "consequence": consequence}
+        )
+
+
+FAULTS = (ClientFault, WireError)
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
+    """The federation's node ids, sorted (the SL/USL turn order); fails if they are not `count`."""
+    deadline = time.monotonic() + min(timeout_s, 120.0)
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if len(nodes) != count:
+        raise RuntimeError(
+            f"the federation has {len(nodes)} nodes but clients.count={count}; run with "
+            f"--federation-config 'num-supernodes={count}' (simulation) or start {count} SuperNodes"
+        )
+    return nodes

@@ -1,0 +1,119 @@
+"""Cross-cutting concerns of a run as callbacks: the run folder, metrics, checkpoints, status.
+
+A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one line
+per round), `checkpoints/` (the server's state after each round), `committed.json`
+(the last round whose checkpoint is complete) and `status.json` (running, finished
+or failed with the reason) — the truth that `flwr run --stream`'s exit code is not.
+"""
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from sims.schema import SimConfig
+
+
+def _write_json(path: Path, data: Any) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(partial, path)
+
+
+class RunCallback(Protocol):
+    def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None: ...
+
+
+class RunFolder:
+    """A run's folder; refuses to resume a folder written by a different config."""
+
+    def __init__(self, config: SimConfig, path: Path) -> None:
+        self.path = path
+        self.config = config
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "checkpoints").mkdir(exist_ok=True)
+        previous = path / "config.json"
+        if previous.exists() and self.committed_round() > 0:
+            old = json.loads(previous.read_text())
+            if not config.output.resume:
+                raise FileExistsError(
+                    f"run folder {path} already holds {self.committed_round()} rounds and output.resume=false; "
+                    "choose another output.name or set output.resume=true"
+                )
+            if old["fingerprint"] != config.fingerprint():
+                changed = sorted(
+                    key for key, value in config.to_flat().items() if old["config"].get(key) != value
+                )
+                raise ValueError(
+                    f"run folder {path} was written by a different config (changed: {changed}); only "
+                    "train.rounds, faults.timeout_s and output.resume may change on resume — use another output.name"
+                )
+        _write_json(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
+
+    def committed_round(self) -> int:
+        marker = self.path / "committed.json"
+        return json.loads(marker.read_text())["round"] if marker.exists() else 0
+
+    def checkpoint_path(self, round_: int) -> Path:
+        return self.path / "checkpoints" / f"round-{round_:06d}.pt"
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        committed = self.committed_round()
+        return torch.load(self.checkpoint_path(committed), weights_only=True) if committed else None
+
+    def write_status(self, state: str, **details: Any) -> None:
+        _write_json(self.path / "status.json", {"state": state, "time": time.time(), **details})
+
+
+class MetricsLog:
+    """metrics.jsonl, one line per committed round; a resumed run drops lines past the checkpoint."""
+
+    def __init__(self, folder: RunFolder) -> None:
+        self.path = folder.path / "metrics.jsonl"
+        committed = folder.committed_round()
+        if self.path.exists():
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line)["round"] <= committed]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"round": round_, **metrics}, sort_keys=True) + "\n")
+
+
+class Checkpointer:
+    """The server's state after each round; `committed.json` moves only once the file is whole."""
+
+    def __init__(self, folder: RunFolder, keep: int = 2) -> None:
+        self.folder, self.keep = folder, keep
+
+    def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        target = self.folder.checkpoint_path(round_)
+        partial = target.with_suffix(".partial")
+        torch.save(state, partial)
+        os.replace(partial, target)
+        _write_json(self.folder.path / "committed.json", {"round": round_})
+        for old in sorted(self.folder.path.glob("checkpoints/round-*.pt"))[: -self.keep]:
+            old.unlink()
+
+
+class StatusReporter:
+    """status.json after every round, so a killed run shows how far it got."""
+
+    def __init__(self, folder: RunFolder, num_rounds: int) -> None:
+        self.folder, self.num_rounds = folder, num_rounds
+
+    def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        self.folder.write_status("running", round=round_, rounds=self.num_rounds)
+
+
+def failure_details(error: BaseException) -> dict[str, str]:
+    return {
+        "error_type": type(error).__name__,
+        "error": str(error),
+        "traceback": "".join(traceback.format_exception(error))[-4000:],
+    }

@@ -1,0 +1,23 @@
+"""CL: one trainer holds all data (the accuracy reference); nothing crosses a wire.
+
+The server only paces rounds: the trainer keeps its adapters and AdamW in its own
+store, and scores its test set itself.
+"""
+
+from typing import Any
+
+from flwr.serverapp import Grid
+
+from strategies.base import RoundStrategy
+from training import protocol
+
+
+class CLStrategy(RoundStrategy):
+    def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        reply = self.exchange(grid, nodes[0], round_, protocol.CL_TRAIN, {"committed-round": round_ - 1})
+        metrics = reply.metric_records[protocol.METRICS]
+        return {"train_loss": metrics["loss"], "steps": self.config.train.steps_per_round, "kept_tokens": None}
+
+    def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        metrics = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {}).metric_records[protocol.METRICS]
+        return {"test_accuracy": metrics["correct"] / max(metrics["count"], 1.0), "test_count": metrics["count"]}

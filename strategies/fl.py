@@ -1,0 +1,159 @@
+"""FL: Flower's message-based FedAvg over the LoRA adapters, with the wire in the loop.
+
+Only what FedAvg cannot do is overridden: adapters travel through the wire (dtype
+policy, byte ledger, observers — iDLG-style attacks see exactly the updates the
+server received), a reply that is an error, arrives late or fails the wire's checks
+is reported and left out while the rest are averaged, and each round ends in the
+run's callbacks. Rounds are numbered from the checkpoint a run resumed from.
+"""
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from sims.schema import SimConfig
+from strategies.callbacks import RunCallback
+from training import protocol
+from wire import Wire, WireError, serialized_size
+
+
+def to_numpy_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v.detach().float().cpu().numpy()) for k, v in tensors.items()})
+
+
+class WireFedAvg(FedAvg):
+    def __init__(
+        self,
+        config: SimConfig,
+        wire: Wire,
+        global_shapes: dict[str, tuple[int, ...]],
+        callbacks: Sequence[RunCallback] = (),
+        first_round: int = 1,
+        num_rounds: int = 1,
+    ) -> None:
+        count = config.clients.count
+        sampled = max(1, int(count * config.clients.fraction_train))
+        super().__init__(
+            fraction_train=config.clients.fraction_train,
+            fraction_evaluate=1.0,
+            min_train_nodes=sampled,
+            min_evaluate_nodes=count,
+            min_available_nodes=count,
+            arrayrecord_key=protocol.ARRAYS,
+            configrecord_key=protocol.CONFIG,
+        )
+        self.config, self.wire, self.callbacks = config, wire, list(callbacks)
+        self.global_shapes = global_shapes
+        self.offset = first_round - 1
+        self.num_rounds = num_rounds
+        self.arrays: ArrayRecord | None = None
+        self.record: dict[str, Any] = {}
+        self.faults: list[dict[str, Any]] = []
+        self.sent_to: list[int] = []
+        self.started = time.perf_counter()
+
+    def round_of(self, server_round: int) -> int:
+        return server_round + self.offset
+
+    def _through_wire(self, messages: Iterable[Message], round_: int) -> list[Message]:
+        """FedAvg's messages with the adapters re-encoded under the wire's dtype policy."""
+        out = []
+        for message in messages:
+            content = message.content
+            tensors = {k: torch.from_numpy(a.numpy()) for k, a in content.array_records[protocol.ARRAYS].items()}
+            config = ConfigRecord(dict(content.config_records[protocol.CONFIG]))
+            config["round"] = round_
+            encoded = RecordDict({protocol.ARRAYS: self.wire.encode(tensors), protocol.CONFIG: config})
+            self.wire.sent(round_, message.metadata.dst_node_id, encoded)
+            out.append(Message(content=encoded, message_type=message.metadata.message_type,
+                               dst_node_id=message.metadata.dst_node_id))
+        return out
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        self.started = time.perf_counter()
+        self.record, self.faults = {}, []
+        messages = self._through_wire(super().configure_train(server_round, arrays, config, grid), self.round_of(server_round))
+        self.sent_to = [m.metadata.dst_node_id for m in messages]
+        return messages
+
+    def _screen(self, replies: Iterable[Message], round_: int, phase: str, decode: bool) -> list[Message]:
+        """Replies that may be folded in; the rest are reported with their reason."""
+        replies = list(replies)
+        answered = {reply.metadata.src_node_id for reply in replies}
+        for node in self.sent_to:
+            if node not in answered:
+                self._fault(node, phase, f"no reply within faults.timeout_s={self.config.faults.timeout_s}s")
+        kept = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                self._fault(node, phase, reply.error.reason.strip())
+                continue
+            if not decode:
+                kept.append(reply)
+                continue
+            try:
+                expected = {k: (shape, "float") for k, shape in self.global_shapes.items()}
+                tensors = self.wire.received(round_, node, "adapter update", reply.content, expected,
+                                             record_key=protocol.ARRAYS)
+                num_examples = reply.content.metric_records[protocol.METRICS]["num-examples"]
+            except (WireError, KeyError) as error:
+                self._fault(node, phase, str(error))
+                continue
+            content = RecordDict({protocol.ARRAYS: to_numpy_record(tensors),
+                                  protocol.METRICS: MetricRecord({"num-examples": num_examples,
+                                                                  "loss": reply.content.metric_records[protocol.METRICS]["loss"]})})
+            kept.append(Message(content=content, reply_to=reply))
+        return kept
+
+    def _fault(self, node: int, phase: str, reason: str) -> None:
+        consequence = "left out of this round's average" if phase == "train" else "not scored this round"
+        self.faults.append({"client": node, "phase": phase, "reason": reason[-2000:], "consequence": consequence})
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        round_ = self.round_of(server_round)
+        kept = self._screen(replies, round_, "train", decode=True)
+        if not kept:
+            raise RuntimeError(f"no client update could be averaged in round {round_}: {self.faults}")
+        arrays, metrics = super().aggregate_train(server_round, kept)
+        self.arrays = arrays
+        self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
+                            "clients_averaged": len(kept), "kept_tokens": None})
+        return arrays, metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        round_ = self.round_of(server_round)
+        every = self.config.eval.every
+        if every == 0 or (round_ % every and round_ != self.num_rounds):
+            self.sent_to = []
+            return []
+        messages = self._through_wire(super().configure_evaluate(server_round, arrays, config, grid), round_)
+        self.sent_to = [m.metadata.dst_node_id for m in messages]
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]):
+        round_ = self.round_of(server_round)
+        kept = self._screen(replies, round_, "evaluate", decode=False)
+        for reply in kept:
+            self.wire.ledger.add(round_, reply.metadata.src_node_id, "up", serialized_size(reply.content))
+        correct = sum(r.content.metric_records[protocol.METRICS]["correct"] for r in kept)
+        count = sum(r.content.metric_records[protocol.METRICS]["count"] for r in kept)
+        if self.sent_to:
+            self.record.update({"test_accuracy": correct / count if count else None, "test_count": count})
+        self.record.update(self.wire.ledger.round_totals(round_))
+        self.record.update({
+            "bytes_per_client": self.wire.ledger.per_client(round_),
+            "round_trips_train": 1, "round_trips_eval": 1 if self.sent_to else 0,
+            "round_trips_per_step": 1 / self.config.train.steps_per_round,
+            "faults": self.faults, "wall_s": time.perf_counter() - self.started,
+        })
+        state = {"arrays": {k: torch.from_numpy(a.numpy()) for k, a in self.arrays.items()}}
+        for callback in self.callbacks:
+            callback.on_round_end(round_, dict(self.record), state)
+        return super().aggregate_evaluate(server_round, kept) if kept else None

@@ -1,0 +1,204 @@
+"""Sequential split learning: clients take turns against one server-side model segment.
+
+One turn is `train.steps_per_round` steps of one client. The exchange is shaped so
+each message carries as much as the math allows: the gradient for step t's front
+travels with the request for step t+1's activation, so a turn of T steps costs
+T+1 round trips in SL and 2T+1 in USL (1 and 2 per step, plus one to open the turn).
+A client that fails loses the rest of its turn; the reason goes into the round's
+record and the next client goes on.
+"""
+
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+from flwr.serverapp import Grid
+
+from sims.schema import SimConfig
+from strategies.base import FAULTS, RoundStrategy
+from strategies.callbacks import RunCallback
+from training import protocol
+from training.model import PartyModel, make_optimizer
+from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_dict
+from vlm.segments import IGNORE_INDEX, next_token_loss, run_decoder_layers
+from wire import Wire, WireError, pack_rows, unpack_rows
+
+
+class SplitStrategy(RoundStrategy):
+    """Base of SL and USL; `owner` names the server's segment (vlm.cuts)."""
+
+    owner = "server"
+    eval_message = ""
+
+    def __init__(self, config: SimConfig, party: PartyModel, wire: Wire, callbacks: list[RunCallback] = ()) -> None:
+        super().__init__(config, wire, callbacks)
+        self.party = party
+        self.segment = next(s for s in party.segments if s.owner == self.owner)
+        self.parameters = list(owner_lora_parameters(party.model, self.segment).values())
+        self.optimizer = make_optimizer(self.parameters, config)
+        self.hidden_size = party.model.get_base_model().config.text_config.hidden_size
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"lora": owner_state_dict(self.party.model, self.segment), "optim": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_owner_state_dict(self.party.model, self.segment, state["lora"])
+        self.optimizer.load_state_dict(state["optim"])
+
+    # -- the received activation -------------------------------------------------------------
+    def activation_expectation(self) -> dict:
+        return {"rows": ((None, self.hidden_size), "float"), "lengths": ((None,), "index")}
+
+    def receive_activation(self, round_: int, node: int, kind: str, content: RecordDict) -> dict[str, torch.Tensor]:
+        tensors = self.wire.received(round_, node, kind, content, self.activation_expectation())
+        lengths = tensors["lengths"]
+        if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != tensors["rows"].shape[0]:
+            raise WireError(
+                f"{kind} from client {node}: {tensors['rows'].shape[0]} rows do not match the per-sample "
+                f"lengths {lengths.tolist()}"
+            )
+        return tensors
+
+    def compute_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.party.device, next(self.party.model.parameters()).dtype)
+
+    # -- training --------------------------------------------------------------------------
+    def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        losses, kept, steps = [], [], 0
+        for node in nodes:
+            done, turn_losses, turn_kept = self.turn(grid, node, round_)
+            steps += done
+            losses += turn_losses
+            kept += turn_kept
+        if steps == 0:
+            reasons = "; ".join(f"client {f['client']}: {f['reason'][-300:]}" for f in self.faults.get(round_, []))
+            raise RuntimeError(f"no client completed a step in round {round_}: {reasons}")
+        return {
+            "train_loss": sum(losses) / len(losses) if losses else None,
+            "steps": steps,
+            "kept_tokens": sum(kept) / len(kept) if kept else None,
+        }
+
+    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], list[float]]:
+        steps = self.config.train.steps_per_round
+        losses, kept, done = [], [], 0
+        phase = "open the turn"
+        try:
+            reply = self.exchange(grid, node, round_, protocol.SPLIT_BEGIN, {"committed-round": round_ - 1})
+            for step in range(steps):
+                kept.append(float(reply.metric_records[protocol.METRICS]["kept_tokens"]))
+                phase = f"step {step + 1}/{steps}"
+                reply, loss = self.step(grid, node, round_, reply, go_on=step < steps - 1)
+                losses.append(loss)
+                done += 1
+            self.wire.received(round_, node, "end of turn", reply, {})
+        except FAULTS as error:
+            self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
+        return done, losses, kept
+
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+        raise NotImplementedError
+
+    def server_update(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None) -> None:
+        """Backward from the server's outputs (a loss, or rows with their gradient), then step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        outputs.backward(grad_outputs)
+        self.optimizer.step()
+
+    # -- evaluation: greedy decoding through the cuts, scored by each client -----------------
+    def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        correct = count = 0.0
+        for node in nodes:
+            try:
+                batch, batches = 0, 1
+                while batch < batches:
+                    reply = self.exchange(grid, node, round_, protocol.EVAL_BEGIN, {"batch": batch})
+                    batches = int(reply.metric_records[protocol.METRICS]["eval-batches"])
+                    while "count" not in reply.metric_records[protocol.METRICS]:
+                        reply = self.eval_step(grid, node, round_, reply)
+                    self.wire.received(round_, node, "evaluation score", reply, {})
+                    correct += reply.metric_records[protocol.METRICS]["correct"]
+                    count += reply.metric_records[protocol.METRICS]["count"]
+                    batch += 1
+            except FAULTS as error:
+                self.record_fault(round_, node, "evaluation", error, "its test share is not scored this round")
+        return {"test_accuracy": correct / count if count else None, "test_count": count}
+
+    def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
+        raise NotImplementedError
+
+
+class USLStrategy(SplitStrategy):
+    """USL: the server runs the body [CA, CB) and sees only the two cut activations' traffic."""
+
+    owner = "body"
+
+    def body(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.compute_rows(tensors["rows"]).requires_grad_()
+        hidden, mask, positions = unpack_rows(rows, tensors["lengths"])
+        out = run_decoder_layers(
+            self.party.model, hidden, mask, positions, self.segment.start, self.segment.stop
+        )
+        return rows, pack_rows(out, mask)[0]
+
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+        received = self.receive_activation(round_, node, "activation at CA", reply)
+        rows_in, rows_out = self.body(received)
+        tail_reply = self.exchange(grid, node, round_, protocol.USL_TAIL, {}, {"rows": rows_out})
+        grad_cb = self.wire.received(
+            round_, node, "gradient at CB", tail_reply, {"grad": (tuple(rows_out.shape), "float")}
+        )["grad"]
+        self.server_update(rows_out, self.compute_rows(grad_cb))
+        loss = float(tail_reply.metric_records[protocol.METRICS]["loss"])
+        next_reply = self.exchange(
+            grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {"grad": rows_in.grad}
+        )
+        return next_reply, loss
+
+    def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
+        received = self.receive_activation(round_, node, "evaluation activation at CA", reply)
+        with torch.no_grad():
+            _, rows_out = self.body(received)
+        return self.exchange(grid, node, round_, protocol.USL_EVAL_TAIL, {}, {"rows": rows_out})
+
+
+class SLStrategy(SplitStrategy):
+    """SL: the server runs [C, L) with the LM head and the loss (labels arrive with the activation)."""
+
+    owner = "server"
+
+    def activation_expectation(self) -> dict:
+        return {**super().activation_expectation(), "answers": ((None,), "index"), "answer_lengths": ((None,), "index")}
+
+    def logits(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, mask, positions = unpack_rows(rows, tensors["lengths"])
+        logits = run_decoder_layers(
+            self.party.model, hidden, mask, positions, self.segment.start, self.segment.stop, apply_head=True
+        )
+        return logits, mask
+
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+        received = self.receive_activation(round_, node, "activation at C", reply)
+        answer_lengths = received["answer_lengths"].to(torch.long)
+        if answer_lengths.numel() != received["lengths"].numel() or bool((answer_lengths > received["lengths"]).any()):
+            raise WireError(f"answers from client {node} do not fit the samples' lengths")
+        rows = self.compute_rows(received["rows"]).requires_grad_()
+        logits, mask = self.logits(received, rows)
+        # Left padding puts every sample's answer (and its end token) in its last positions.
+        labels = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long, device=logits.device)
+        for sample, answer in enumerate(torch.split(received["answers"].to(torch.long), answer_lengths.tolist())):
+            labels[sample, labels.shape[1] - answer.numel() :] = answer
+        loss = next_token_loss(logits, labels)
+        self.server_update(loss, None)
+        next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": rows.grad})
+        return next_reply, float(loss)
+
+    def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
+        received = self.wire.received(
+            round_, node, "evaluation activation at C", reply, super().activation_expectation()
+        )
+        with torch.no_grad():
+            logits, _ = self.logits(received, self.compute_rows(received["rows"]))
+        tokens = logits[:, -1].argmax(-1)
+        return self.exchange(grid, node, round_, protocol.SL_EVAL_NEXT, {}, {"tokens": tokens})
