@@ -1,0 +1,142 @@
+"""Whole runs of every paradigm through Flower messages: records, round trips, resume, faults."""
+
+import json
+
+import pytest
+import torch
+from flwr.app import Message
+
+from clients.app import app as client_app
+from sims.schema import load_config
+from strategies.app import run
+from training import protocol
+
+
+def metrics(folder):
+    return [json.loads(line) for line in (folder.path / "metrics.jsonl").read_text().splitlines()]
+
+
+def status(folder):
+    return json.loads((folder.path / "status.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("paradigm", "trips_per_step"), [("usl", (2 * 2 + 1) / 2), ("sl", (2 + 1) / 2), ("fl", 1 / 2), ("cl", None)]
+)
+def test_a_run_records_every_round(paradigm, trips_per_step, run_config, fake_grid):
+    count = 1 if paradigm == "cl" else 2
+    raw = run_config(paradigm=paradigm, **{"clients.count": count, "train.rounds": 2, "train.steps_per_round": 2, "eval.every": 2})
+    folder = run(fake_grid(client_app, raw, count), load_config(raw))
+    records = metrics(folder)
+    assert [r["round"] for r in records] == [1, 2]
+    assert status(folder)["state"] == "finished"
+    assert all(r["train_loss"] > 0 and r["wall_s"] > 0 and r["faults"] == [] for r in records)
+    assert "test_accuracy" not in records[0] and 0 <= records[1]["test_accuracy"] <= 1
+    assert records[1]["test_count"] == 6
+    if trips_per_step is not None:
+        assert records[0]["round_trips_per_step"] == pytest.approx(trips_per_step)
+    if paradigm != "cl":
+        assert records[0]["bytes_up"] > 0 and records[0]["bytes_down"] > 0
+        assert set(records[0]["bytes_per_client"]) == {"1", "2"}
+
+
+class Killed(BaseException):
+    """Stands in for the server process dying: nothing in the run may catch it."""
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_a_round(run_config, fake_grid, tmp_path):
+    raw = run_config(**{"train.rounds": 3, "train.steps_per_round": 2})
+    straight = run(fake_grid(client_app, {**raw, "output.name": "straight"}, 2), load_config({**raw, "output.name": "straight"}))
+
+    grid = fake_grid(client_app, raw, 2)
+    calls = {"n": 0}
+
+    def kill_in_round_two(message: Message, reply: Message) -> Message:
+        if message.content.config_records[protocol.CONFIG]["round"] == 2 and message.metadata.message_type == protocol.USL_HEAD:
+            calls["n"] += 1
+            if calls["n"] == 1:  # after client 1 saved a half-done round 2
+                raise Killed
+        return reply
+
+    grid.interceptors[1] = kill_in_round_two
+    with pytest.raises(Killed):
+        run(grid, load_config(raw))
+    interrupted = json.loads((straight.path.parent / "run" / "status.json").read_text())
+    assert interrupted["state"] == "failed" and interrupted["error_type"] == "Killed"
+
+    resumed = run(fake_grid(client_app, raw, 2), load_config(raw))
+    assert status(resumed)["state"] == "finished" and status(resumed)["resumed_from"] == 1
+    assert [r["round"] for r in metrics(resumed)] == [1, 2, 3]
+    for key in ("train_loss", "bytes_up", "bytes_down"):
+        assert [r[key] for r in metrics(resumed)] == [r[key] for r in metrics(straight)]
+    got = torch.load(resumed.checkpoint_path(3), weights_only=True)["lora"]
+    want = torch.load(straight.checkpoint_path(3), weights_only=True)["lora"]
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+def test_a_resumed_run_refuses_a_changed_config(run_config, fake_grid):
+    raw = run_config()
+    run(fake_grid(client_app, raw, 2), load_config(raw))
+    changed = {**raw, "train.lr": 0.5}
+    with pytest.raises(ValueError, match=r"changed: \['train.lr'\]"):
+        run(fake_grid(client_app, changed, 2), load_config(changed))
+
+
+@pytest.mark.parametrize("paradigm", ["usl", "sl"])
+def test_a_failing_client_loses_its_turn_and_the_reason_is_recorded(paradigm, run_config, fake_grid):
+    raw = run_config(paradigm=paradigm, **{"train.steps_per_round": 2})
+    grid = fake_grid(client_app, raw, 2)
+
+    def explode(message, reply):
+        if message.metadata.message_type != protocol.SPLIT_BEGIN:
+            raise RuntimeError("disk full on client 1")
+        return reply
+
+    grid.interceptors[1] = explode
+    folder = run(grid, load_config(raw))
+    record = metrics(folder)[0]
+    assert status(folder)["state"] == "finished"
+    assert record["steps"] == 2  # client 2's whole turn
+    (fault,) = record["faults"]
+    assert fault["client"] == 1 and "disk full on client 1" in fault["reason"]
+    assert fault["consequence"] == "turn skipped after 0 of 2 steps"
+
+
+def test_fl_averages_the_others_when_a_client_fails(run_config, fake_grid):
+    raw = run_config(paradigm="fl")
+    grid = fake_grid(client_app, raw, 2)
+    grid.interceptors[2] = lambda message, reply: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    folder = run(grid, load_config(raw))
+    record = metrics(folder)[0]
+    assert record["clients_averaged"] == 1
+    assert [f["client"] for f in record["faults"]] == [2] and "out of memory" in record["faults"][0]["reason"]
+
+
+def poison(message: Message, reply: Message) -> Message:
+    """The client's activation with one NaN: the wire must refuse it before the body runs."""
+    if message.metadata.message_type == protocol.SPLIT_BEGIN:
+        rows = reply.content.array_records[protocol.TENSORS]["rows"]
+        data = bytearray(rows.data)
+        data[:4] = torch.tensor([float("nan")]).numpy().tobytes()
+        reply.content.array_records[protocol.TENSORS]["rows"] = type(rows)(
+            dtype=rows.dtype, shape=rows.shape, stype=rows.stype, data=bytes(data)
+        )
+    return reply
+
+
+def test_a_non_finite_activation_is_rejected_not_trained_on(run_config, fake_grid):
+    raw = run_config(**{"clients.count": 1})
+    grid = fake_grid(client_app, raw, 1)
+    grid.interceptors[1] = poison
+    with pytest.raises(RuntimeError, match="no client completed a step in round 1.*non-finite"):
+        run(grid, load_config(raw))
+
+
+def test_a_client_that_never_answers_times_out(run_config, fake_grid):
+    raw = run_config(paradigm="sl")
+    grid = fake_grid(client_app, raw, 2)
+    grid.interceptors[2] = lambda message, reply: None
+    folder = run(grid, load_config(raw))
+    (fault,) = metrics(folder)[0]["faults"]
+    assert fault["client"] == 2 and "no reply" in fault["reason"]
