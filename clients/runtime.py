@@ -103,7 +103,10 @@ def client_runtime(context: Context) -> ClientRuntime:
     config = load_config(context.run_config)
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", config.clients.count))
-    if num_partitions != config.clients.count or not 0 <= partition_id < num_partitions:
+    if config.paradigm == "cl":
+        # The one trainer holds all data, whichever node the server picked for it.
+        partition_id = num_partitions = 0
+    elif num_partitions != config.clients.count or not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"node has partition-id={partition_id} of num-partitions={num_partitions}, but the run config says "
             f"clients.count={config.clients.count}; start the federation with num-supernodes={config.clients.count}"

@@ -35,7 +35,7 @@ class USLClient(SplitClient):
         loss.backward()
         optimizer.step()
         rt.save_private_state(round_)
-        return {"tensors": {"grad": rows.grad.detach()}, "metrics": {"loss": float(loss)}}
+        return {"tensors": {"grad": rows.grad}, "metrics": {"loss": loss.detach().item()}}
 
     def eval_tail(self, rows: torch.Tensor) -> dict:
         scratch = self._scratch()

@@ -51,7 +51,7 @@ class RoundStrategy:
     # -- the loop ------------------------------------------------------------------------
     def run(self, grid: Grid, first_round: int, num_rounds: int) -> list[dict[str, Any]]:
         records = []
-        nodes = wait_for_nodes(grid, self.config.clients.count, self.config.faults.timeout_s)
+        nodes = wait_for_nodes(grid, self.config.clients.count, self.config.faults.timeout_s, exact=self.config.paradigm != "cl")
         for round_ in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             record = self.train_round(grid, round_, nodes)
@@ -104,17 +104,18 @@ class RoundStrategy:
 FAULTS = (ClientFault, WireError)
 
 
-def wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
-    """The federation's node ids, sorted (the SL/USL turn order); fails if they are not `count`."""
+def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = True) -> list[int]:
+    """The federation's node ids, sorted (the SL/USL turn order); fails if they are not `count`
+    (with `exact=False`, fewer than `count`: CL's one trainer is the first node, the rest idle)."""
     deadline = time.monotonic() + min(timeout_s, 120.0)
     while True:
         nodes = sorted(grid.get_node_ids())
         if len(nodes) >= count or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    if len(nodes) != count:
+    if len(nodes) < count or (exact and len(nodes) != count):
         raise RuntimeError(
             f"the federation has {len(nodes)} nodes but clients.count={count}; run with "
             f"--federation-config 'num-supernodes={count}' (simulation) or start {count} SuperNodes"
         )
-    return nodes
+    return nodes[:count]

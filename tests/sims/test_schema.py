@@ -1,0 +1,64 @@
+"""The run-config schema: every wrong value gets one message naming key, value and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from sims.launch import app_config, parse_overrides
+from sims.schema import ConfigError, SimConfig, _flatten, load_config
+from omegaconf import OmegaConf
+
+SIMS = sorted(p.parent for p in Path(__file__).parents[2].joinpath("sims").glob("*/pyproject.toml"))
+
+
+def test_every_sim_declares_every_key_and_validates():
+    keys = set(_flatten(OmegaConf.to_container(OmegaConf.structured(SimConfig))))
+    assert {p.name for p in SIMS} >= {"usl_vqarad", "usl_easyvqa", "sl_easyvqa", "fl_easyvqa", "cl_easyvqa"}
+    for sim in SIMS:
+        config = app_config(sim)
+        assert set(config) == keys, sim  # `--run-config` can only override declared keys
+        assert load_config(config).output.name == sim.name
+
+
+def test_the_paper_sim_holds_the_paper_settings():
+    config = load_config(app_config(Path(__file__).parents[2] / "sims" / "usl_vqarad"))
+    assert (config.paradigm, config.model.profile, config.data.dataset) == ("usl", "llava-1.5-7b", "vqa-rad")
+    assert config.cuts == (8, 24) and config.model.lora_rank == 32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed"),
+    [
+        ({"paradigm": "xl"}, "paradigm", "cl, fl, sl, usl"),
+        ({"model.profile": "llava-2"}, "model.profile", "llava-1.5-7b"),
+        ({"model.profile": "tiny", "split.cut_a": 3, "split.cut_b": 2}, "split.cut_a", "[1, 2]"),
+        ({"model.profile": "tiny", "split.cut_a": 2, "split.cut_b": 2}, "split.cut_b", "[3, 3]"),
+        ({"model.profile": "tiny", "split.sl_cut": 4}, "split.sl_cut", "[1, 3]"),
+        ({"data.dataset": "mnist"}, "data.dataset", "easyvqa"),
+        ({"wire.dtype": "int8"}, "wire.dtype", "bf16, fp16, fp32"),
+        ({"pruning.policy": "dtp"}, "pruning.policy", "not implemented yet"),
+        ({"pruning.policy": "random"}, "pruning.policy", "off, fixed, dtp"),
+        ({"clients.count": 0}, "clients.count", ">= 1"),
+        ({"paradigm": "cl", "clients.count": 2}, "clients.count", "1 for paradigm cl"),
+        ({"clients.fraction_train": 1.5}, "clients.fraction_train", "(0, 1]"),
+        ({"train.rounds": "many"}, "train.rounds", "type"),
+        ({"train.lr": 0.0}, "train.lr", "> 0"),
+        ({"trian.rounds": 3}, "trian.rounds", "train.rounds"),
+    ],
+)
+def test_a_wrong_value_names_key_value_and_allowed(overrides, key, allowed):
+    with pytest.raises(ConfigError) as caught:
+        load_config({"output.name": "x", **overrides})
+    assert caught.value.key == key
+    assert f"{key}=" in str(caught.value) and allowed in str(caught.value)
+
+
+def test_defaults_fill_the_profile_cuts():
+    config = load_config({"output.name": "x", "model.profile": "mini", "paradigm": "sl"})
+    assert config.cuts == (4,) and load_config({"output.name": "x", "model.profile": "mini"}).cuts == (2, 6)
+
+
+def test_overrides_parse_as_flwr_reads_them():
+    assert parse_overrides('train.rounds=5 model.source="/data/llava" output.resume=false') == {
+        "train.rounds": 5, "model.source": "/data/llava", "output.resume": False
+    }
