@@ -24,6 +24,7 @@ PARADIGMS = ("cl", "fl", "sl", "usl")
 PARTITIONS = ("iid", "dirichlet")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+MODEL_STAGES = ("base", "vqa", "random")
 # The schema names every policy of SPEC §1; only "off" runs until pruning lands.
 PRUNING_POLICIES = ("off", "fixed", "dtp")
 IMPLEMENTED_PRUNING_POLICIES = ("off",)
@@ -44,7 +45,8 @@ class ModelConfig:
     profile: str = "mini"
     # A local checkpoint folder (or a hub id already in the local HF cache) for real weights.
     source: str = ""
-    # mini only: "base" is the starting point every paradigm fine-tunes.
+    # mini: "base" is the starting point every paradigm fine-tunes ("vqa": the central
+    # reference). "random": the profile's architecture with random weights (costs, tests).
     stage: str = "base"
     dtype: str = "fp32"
     device: str = "auto"
@@ -203,6 +205,7 @@ def validate(config: SimConfig) -> None:
     _choice("paradigm", config.paradigm, PARADIGMS)
     _choice("model.profile", config.model.profile, profile_names())
     profile = get_profile(config.model.profile)
+    _choice("model.stage", config.model.stage, MODEL_STAGES)
     _choice("model.dtype", config.model.dtype, COMPUTE_DTYPES)
     _choice("model.device", config.model.device, DEVICES)
     _at_least("model.lora_rank", config.model.lora_rank, 0)

@@ -65,12 +65,13 @@ class SplitStrategy(RoundStrategy):
 
     # -- training --------------------------------------------------------------------------
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        losses, kept, steps = [], [], 0
+        losses, kept, steps, tokens = [], [], 0, 0
         for node in nodes:
-            done, turn_losses, turn_kept = self.turn(grid, node, round_)
+            done, turn_losses, turn_kept, turn_tokens = self.turn(grid, node, round_)
             steps += done
             losses += turn_losses
             kept += turn_kept
+            tokens += turn_tokens
         if steps == 0:
             reasons = "; ".join(f"client {f['client']}: {f['reason'][-300:]}" for f in self.faults.get(round_, []))
             raise RuntimeError(f"no client completed a step in round {round_}: {reasons}")
@@ -78,26 +79,30 @@ class SplitStrategy(RoundStrategy):
             "train_loss": sum(losses) / len(losses) if losses else None,
             "steps": steps,
             "kept_tokens": sum(kept) / len(kept) if kept else None,
+            # Real tokens whose activations crossed the (first) cut: k in the k × D payload.
+            "train_tokens": tokens,
         }
 
-    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], list[float]]:
+    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], list[float], int]:
         steps = self.config.train.steps_per_round
-        losses, kept, done = [], [], 0
+        losses, kept, done, tokens = [], [], 0, 0
         phase = "open the turn"
         try:
             reply = self.exchange(grid, node, round_, protocol.SPLIT_BEGIN, {"committed-round": round_ - 1})
             for step in range(steps):
                 kept.append(float(reply.metric_records[protocol.METRICS]["kept_tokens"]))
                 phase = f"step {step + 1}/{steps}"
-                reply, loss = self.step(grid, node, round_, reply, go_on=step < steps - 1)
+                reply, loss, step_tokens = self.step(grid, node, round_, reply, go_on=step < steps - 1)
                 losses.append(loss)
+                tokens += step_tokens
                 done += 1
             self.wire.received(round_, node, "end of turn", reply, {})
         except FAULTS as error:
             self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
-        return done, losses, kept
+        return done, losses, kept, tokens
 
-    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
+        """One training step from the client's activation; returns the next reply, the loss and the tokens."""
         raise NotImplementedError
 
     def server_update(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None) -> None:
@@ -142,7 +147,7 @@ class USLStrategy(SplitStrategy):
         )
         return rows, pack_rows(out, mask)[0]
 
-    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         received = self.receive_activation(round_, node, "activation at CA", reply)
         rows_in, rows_out = self.body(received)
         tail_reply = self.exchange(grid, node, round_, protocol.USL_TAIL, {}, {"rows": rows_out})
@@ -154,7 +159,7 @@ class USLStrategy(SplitStrategy):
         next_reply = self.exchange(
             grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {"grad": rows_in.grad}
         )
-        return next_reply, loss
+        return next_reply, loss, received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
         received = self.receive_activation(round_, node, "evaluation activation at CA", reply)
@@ -178,7 +183,7 @@ class SLStrategy(SplitStrategy):
         )
         return logits, mask
 
-    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float]:
+    def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         received = self.receive_activation(round_, node, "activation at C", reply)
         answer_lengths = received["answer_lengths"].to(torch.long)
         if answer_lengths.numel() != received["lengths"].numel() or bool((answer_lengths > received["lengths"]).any()):
@@ -192,7 +197,7 @@ class SLStrategy(SplitStrategy):
         loss = next_token_loss(logits, labels)
         self.server_update(loss, None)
         next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": rows.grad})
-        return next_reply, float(loss)
+        return next_reply, float(loss), received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
         received = self.wire.received(

@@ -1,19 +1,17 @@
-"""Shared fixtures: single-threaded torch, Flower's task identity, and an in-process Grid.
+"""Shared fixtures: single-threaded torch and an in-process Grid.
 
-FakeGrid hands each message straight to a ClientApp, the way a SuperNode would but
-in this process, and turns a handler's exception into the error reply Flower sends
-(code 2, traceback as reason). Strategy and client logic are then tested through
-real Messages without the ~10 s start-up of `flwr run`.
+Strategy and client logic are tested through real Messages on sims.inprocess's grid,
+without the ~10 s start-up of `flwr run`; FakeGrid adds hooks to inject faults.
 """
 
-import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import pytest
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Message
 from flwr.clientapp import ClientApp
-from flwr.supercore.task_identity import TaskIdentity
+
+from sims.inprocess import InProcessGrid
 
 
 @pytest.fixture(autouse=True)
@@ -25,47 +23,18 @@ def single_thread_torch():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Messages read the run and task ids of the process that builds them."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
+class FakeGrid(InProcessGrid):
+    """An in-process grid whose replies a test can intercept, replace, drop or make raise."""
 
-
-class FakeGrid:
     def __init__(self, client_app: ClientApp, run_config: dict, num_nodes: int) -> None:
-        self.client_app = client_app
-        self.contexts = {
-            node: Context(
-                run_id=1,
-                node_id=node,
-                node_config={"partition-id": node - 1, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config=dict(run_config),
-            )
-            for node in range(1, num_nodes + 1)
-        }
-        # node -> function(message) that may raise or return a replacement reply.
+        super().__init__(client_app, run_config, num_nodes)
+        # node -> function(message, reply) returning the reply to deliver (None: no reply), or raising.
         self.interceptors: dict[int, Callable[[Message, Message], Message | None]] = {}
-        self.sent: list[Message] = []
 
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = []
-        for message in messages:
-            self.sent.append(message)
-            node = message.metadata.dst_node_id
-            try:
-                reply = self.client_app(message, self.contexts[node])
-                if node in self.interceptors:
-                    reply = self.interceptors[node](message, reply)
-            except Exception:  # noqa: BLE001 - the runtime turns any handler failure into an error reply
-                reply = Message(Error(code=2, reason=traceback.format_exc()), reply_to=message)
-            if reply is not None:
-                replies.append(reply)
-        return replies
+    def deliver(self, message: Message) -> Message | None:
+        reply = super().deliver(message)
+        node = message.metadata.dst_node_id
+        return self.interceptors[node](message, reply) if node in self.interceptors else reply
 
 
 @pytest.fixture

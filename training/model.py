@@ -19,10 +19,12 @@ from vlm.mini.tokenizer import PAD, SPECIAL_TOKENS
 from vqa import IMAGE_PLACEHOLDER, SHORT_ANSWER_INSTRUCTION
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The tiny test profile takes the word tokenizer's fixed special-token ids, so a party
-# that never reads text (the USL server) builds the same model without a tokenizer.
-TINY_PAD_ID = SPECIAL_TOKENS.index(PAD)
-TINY_IMAGE_ID = SPECIAL_TOKENS.index(IMAGE_PLACEHOLDER)
+# Random-weight models take the word tokenizer's fixed special-token ids and a fixed
+# vocabulary size, so a party that never reads text (the USL server) builds the same
+# model without a tokenizer; 64 holds easy-VQA's words.
+RANDOM_PAD_ID = SPECIAL_TOKENS.index(PAD)
+RANDOM_IMAGE_ID = SPECIAL_TOKENS.index(IMAGE_PLACEHOLDER)
+RANDOM_VOCAB_SIZE = 64
 
 
 @dataclass
@@ -49,9 +51,14 @@ def resolve_device(name: str) -> torch.device:
 def load_bundle(config: SimConfig, device: torch.device) -> ModelBundle:
     profile = get_profile(config.model.profile)
     dtype = COMPUTE_DTYPES[config.model.dtype]
-    if profile.name == TINY.name:
+    if profile.name == TINY.name or config.model.stage == "random":
         model = build_random_model(
-            TINY, seed=config.model.seed, dtype=dtype, image_token_id=TINY_IMAGE_ID, pad_token_id=TINY_PAD_ID
+            profile,
+            seed=config.model.seed,
+            dtype=dtype,
+            vocab_size=RANDOM_VOCAB_SIZE,
+            image_token_id=RANDOM_IMAGE_ID,
+            pad_token_id=RANDOM_PAD_ID,
         )
         return ModelBundle(model, profile, None, clip_image_preprocessor(profile.image_size))
     if profile.hf_id:

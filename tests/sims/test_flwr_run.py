@@ -9,7 +9,6 @@ ports, and stops the SuperLink it started.
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,11 +26,13 @@ def flwr_home(tmp_path_factory):
     os.environ.update(FLWR_HOME=str(home), FLWR_LOCAL_CONTROL_API_PORT="39293", FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39294")
     yield home
     # The local SuperLink outlives `flwr run`; stop the one this module started (its command line names `home`).
-    listing = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    for line in listing.splitlines():
-        pid, _, args = line.strip().partition(" ")
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
         if "flower-superlink" in args and str(home) in args:
-            os.kill(int(pid), signal.SIGTERM)
+            os.kill(int(cmdline.parent.name), signal.SIGTERM)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
