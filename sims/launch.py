@@ -8,6 +8,8 @@ the run folder's status.json and exits non-zero unless the run finished:
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -60,6 +62,23 @@ def launch(
     else:
         status = json.loads(status_file.read_text())
     return status, folder, process
+
+
+def stop_local_superlink(flwr_home: str | Path) -> list[int]:
+    """Stop the local SuperLink `flwr run` started for `flwr_home` (it outlives `flwr run`).
+
+    Found by its command line, which names its log file under `flwr_home`; returns the stopped ids.
+    """
+    stopped = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
+        if "flower-superlink" in args and str(flwr_home) in args:
+            os.kill(int(cmdline.parent.name), signal.SIGTERM)
+            stopped.append(int(cmdline.parent.name))
+    return stopped
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ record and state to the callbacks (metrics, checkpoints, status).
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ class ClientFault(RuntimeError):
     """A client's reply is missing, is an error, or was rejected by the wire."""
 
 
-class RoundStrategy:
+class RoundStrategy(ABC):
     def __init__(self, config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback] = ()) -> None:
         self.config = config
         self.wire = wire
@@ -36,11 +37,13 @@ class RoundStrategy:
         self.faults: dict[int, list[dict[str, Any]]] = {}
 
     # -- hooks -----------------------------------------------------------------------------
+    @abstractmethod
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        raise NotImplementedError
+        """Train one round; the record's train_loss, steps and kept_tokens."""
 
+    @abstractmethod
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        raise NotImplementedError
+        """Score the test data; the record's test_accuracy and test_count."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid

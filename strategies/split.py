@@ -8,6 +8,7 @@ A client that fails loses the rest of its turn; the reason goes into the round's
 record and the next client goes on.
 """
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ class SplitStrategy(RoundStrategy):
     """Base of SL and USL; `owner` names the server's segment (vlm.cuts)."""
 
     owner = "server"
-    eval_message = ""
 
     def __init__(self, config: SimConfig, party: PartyModel, wire: Wire, callbacks: list[RunCallback] = ()) -> None:
         super().__init__(config, wire, callbacks)
@@ -101,9 +101,9 @@ class SplitStrategy(RoundStrategy):
             self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
         return done, losses, kept, tokens
 
+    @abstractmethod
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         """One training step from the client's activation; returns the next reply, the loss and the tokens."""
-        raise NotImplementedError
 
     def server_update(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None) -> None:
         """Backward from the server's outputs (a loss, or rows with their gradient), then step."""
@@ -130,8 +130,9 @@ class SplitStrategy(RoundStrategy):
                 self.record_fault(round_, node, "evaluation", error, "its test share is not scored this round")
         return {"test_accuracy": correct / count if count else None, "test_count": count}
 
+    @abstractmethod
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
-        raise NotImplementedError
+        """One greedy token for the client's batch; returns the client's next reply."""
 
 
 class USLStrategy(SplitStrategy):

@@ -8,12 +8,11 @@ ports, and stops the SuperLink it started.
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 
-from sims.launch import launch
+from sims.launch import launch, stop_local_superlink
 
 pytestmark = pytest.mark.flwr_run
 SIMS = Path(__file__).parents[2] / "sims"
@@ -25,14 +24,7 @@ def flwr_home(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("FLWR_HOME", "FLWR_LOCAL_CONTROL_API_PORT", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")}
     os.environ.update(FLWR_HOME=str(home), FLWR_LOCAL_CONTROL_API_PORT="39293", FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39294")
     yield home
-    # The local SuperLink outlives `flwr run`; stop the one this module started (its command line names `home`).
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # the process ended meanwhile
-            continue
-        if "flower-superlink" in args and str(home) in args:
-            os.kill(int(cmdline.parent.name), signal.SIGTERM)
+    stop_local_superlink(home)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -1,0 +1,174 @@
+"""Measure the mini model against its targets (issue: foundation) and plot the curves.
+
+    python benchmarks/mini_targets.py [--fresh-build] [--probe-samples N] [--curve-samples N]
+
+--fresh-build builds the model from nothing in a temporary cache and reports the
+seconds per stage; otherwise the cached build is used (built first if missing).
+Writes results/mini_targets.json and results/mini_targets.png.
+"""
+
+import argparse
+import json
+import random
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from vlm.answering import answer_questions
+from vlm.features import VisionFeatureCache
+from vlm.mini import MiniFolder, MiniRecipe, build_mini, load_mini
+from vlm.mini.attributes import COLORS, SHAPES, image_attributes
+from vlm.segments import llava_parts
+from vqa import aggregate_accuracy, load_vqa
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+KEEP_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def accuracy_table(predictions, samples) -> dict:
+    report = aggregate_accuracy(predictions, samples)
+    return {"overall": report.overall.accuracy} | {k: g.accuracy for k, g in report.by_question_kind.items()}
+
+
+def question_only_prior(train, test) -> dict:
+    """Accuracy of answering each test question with its most common training answer."""
+    by_question = defaultdict(Counter)
+    for sample in train:
+        by_question[sample.question][sample.answer] += 1
+    overall = Counter(s.answer for s in train).most_common(1)[0][0]
+    predictions = [
+        by_question[s.question].most_common(1)[0][0] if s.question in by_question else overall for s in test
+    ]
+    return accuracy_table(predictions, test)
+
+
+def random_keep(fraction: float, seed: int):
+    """Keep a random share of visual tokens (at least one), in their original order."""
+
+    def keep(sample, tokens: torch.Tensor) -> torch.Tensor:
+        count = max(1, round(fraction * tokens.shape[0]))
+        rng = random.Random(f"{seed}:{sample.id}")
+        return tokens[sorted(rng.sample(range(tokens.shape[0]), count))]
+
+    return keep
+
+
+@torch.no_grad()
+def one_token_probe(model, preprocess, train, test, seed: int) -> dict:
+    """How much of the image one random visual token carries, at each vision layer.
+
+    A logistic-regression probe reads shape (and colour) from a single random patch
+    token of each image; accuracy per layer, on test images, against chance.
+    """
+    tower = llava_parts(model).vision_tower
+    results = {}
+    per_split = {}
+    for name, samples in (("train", train), ("test", test)):
+        labels = image_attributes(samples)
+        first = {s.image_id: s for s in reversed(samples)}
+        ids = [i for i in sorted(first) if labels[i].shape and labels[i].color]
+        hidden = []
+        for start in range(0, len(ids), 500):
+            pixels = preprocess([first[i].image for i in ids[start : start + 500]])
+            hidden.append(torch.stack(tower(pixel_values=pixels, output_hidden_states=True).hidden_states)[:, :, 1:])
+        hidden = torch.cat(hidden, dim=1)  # [layers + 1, images, N, Dv]
+        generator = torch.Generator().manual_seed(seed)
+        token = torch.randint(hidden.shape[2], (hidden.shape[1],), generator=generator)
+        one_token = hidden[:, torch.arange(hidden.shape[1]), token]  # [layers + 1, images, Dv]
+        per_split[name] = (
+            one_token.numpy(),
+            np.array([SHAPES.index(labels[i].shape) for i in ids]),
+            np.array([COLORS.index(labels[i].color) for i in ids]),
+        )
+    (x_train, shape_train, color_train), (x_test, shape_test, color_test) = per_split["train"], per_split["test"]
+    for layer in range(x_train.shape[0]):
+        scores = {}
+        for attribute, y_train, y_test in (("shape", shape_train, shape_test), ("color", color_train, color_test)):
+            probe = LogisticRegression(max_iter=2000).fit(x_train[layer], y_train)
+            scores[attribute] = float(probe.score(x_test[layer], y_test))
+        results[layer] = scores
+    return {"by_layer": results, "chance": {"shape": 1 / len(SHAPES), "color": 1 / len(COLORS)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fresh-build", action="store_true", help="build from nothing and time each stage")
+    parser.add_argument("--curve-samples", type=int, default=3000, help="test questions per keep-curve point")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    recipe = MiniRecipe()
+    root = Path(tempfile.mkdtemp(prefix="qpriv-mini-")) if args.fresh_build else None
+    folder = MiniFolder(recipe, root)
+    if args.fresh_build or not folder.lora.is_file():
+        build_mini(recipe, root=root)
+    build_report = folder.read_report()
+
+    train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
+    results: dict = {"build": build_report, "test_questions": len(test)}
+    results["question_only_prior"] = question_only_prior(train, test)
+    for stage in ("base", "vqa"):
+        bundle = load_mini(stage=stage, recipe=recipe, root=root)
+        features = VisionFeatureCache(bundle.model, bundle.preprocess_images)
+        features.load(folder.features)
+
+        def run(samples, visual_tokens=None):
+            return accuracy_table(
+                answer_questions(
+                    bundle.model, bundle.tokenizer, features, samples,
+                    instruction=recipe.instruction, visual_tokens=visual_tokens,
+                ),
+                samples,
+            )
+
+        results[stage] = {"full": run(test)}
+        if stage != "vqa":
+            continue
+        image_ids = sorted({s.image_id for s in test})
+        other_image = dict(zip(image_ids, image_ids[1:] + image_ids[:1]))
+        results[stage]["no_visual_tokens"] = run(test, lambda s, t: t[:0])
+        results[stage]["swapped_image"] = run(test, lambda s, t: features[other_image[s.image_id]])
+        subset = test.select(random.Random(args.seed).sample(range(len(test)), min(args.curve_samples, len(test))))
+        results[stage]["random_keep_curve"] = {
+            fraction: run(subset, random_keep(fraction, args.seed)) for fraction in KEEP_FRACTIONS
+        }
+        results["one_token_probe"] = one_token_probe(bundle.model, bundle.preprocess_images, train, test, args.seed)
+        results["vision_feature_layer"] = llava_parts(bundle.model).config.vision_feature_layer
+
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "mini_targets.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / "mini_targets.png")
+    print(json.dumps({k: v for k, v in results.items() if k != "build"} | {"build": build_report["stages"]}, indent=2))
+
+
+def plot(results: dict, path: Path) -> None:
+    figure, (curve, probe) = plt.subplots(1, 2, figsize=(11, 4))
+    keep = results["vqa"]["random_keep_curve"]
+    fractions = [float(f) for f in keep]
+    for kind in ("overall", "yes/no", "shape", "color"):
+        curve.plot([100 * f for f in fractions], [keep[f][kind] for f in keep], marker="o", label=kind)
+    curve.axhline(results["vqa"]["no_visual_tokens"]["overall"], color="gray", ls="--", label="no visual tokens")
+    curve.axhline(results["question_only_prior"]["overall"], color="black", ls=":", label="question-only prior")
+    curve.set(xlabel="visual tokens kept at random (%)", ylabel="easy-VQA test accuracy", title="Random token keep")
+    curve.legend(fontsize=8)
+    layers = results["one_token_probe"]["by_layer"]
+    chance = results["one_token_probe"]["chance"]
+    for attribute in ("shape", "color"):
+        probe.plot([int(l) for l in layers], [layers[l][attribute] for l in layers], marker="o", label=attribute)
+        probe.axhline(chance[attribute], ls=":", color="gray")
+    probe.set(xlabel="vision layer (0 = embeddings)", ylabel="probe accuracy (test images)",
+              title="One random visual token: what it carries")
+    probe.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
