@@ -151,7 +151,6 @@ def measure(args, root: Path) -> None:
         "usl_inprocess_round_s": record["wall_s"],
         "unsplit_one_process_s": unsplit,
         "ratio_flwr_round_vs_unsplit": flwr["flwr_round_s"] / unsplit,
-        "ratio_flwr_total_vs_unsplit": flwr["flwr_run_total_s"] / unsplit,
         "ratio_flwr_round_vs_inprocess_round": flwr["flwr_round_s"] / record["wall_s"],
         # Where the time goes: start-up before the first round, Flower's per-round-trip wait,
         # and the split's own bookkeeping (head re-run for its backward, private state on disk).
