@@ -10,6 +10,7 @@ from clients.app import app as client_app
 from sims.schema import load_config
 from strategies.app import run
 from training import protocol
+from training.store import PrivateStore
 
 
 def metrics(folder):
@@ -140,3 +141,34 @@ def test_a_client_that_never_answers_times_out(run_config, fake_grid):
     folder = run(grid, load_config(raw))
     (fault,) = metrics(folder)[0]["faults"]
     assert fault["client"] == 2 and "no reply" in fault["reason"]
+
+
+def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weights(run_config, fake_grid):
+    """Deployment mode: nothing a client learned may live only in its process's memory."""
+    from clients import runtime as client_runtime_module
+
+    raw = run_config(**{"train.rounds": 2, "train.steps_per_round": 2, "eval.every": 2})
+    warm = run(fake_grid(client_app, {**raw, "output.name": "warm"}, 2), load_config({**raw, "output.name": "warm"}))
+    grid = fake_grid(client_app, {**raw, "output.name": "cold"}, 2)
+    forgotten = []
+
+    def forget_everything(message, reply):
+        forgotten.append(message.metadata.message_type)
+        client_runtime_module._RUNTIMES.clear()  # the next message builds its runtime from disk
+        return reply
+
+    grid.interceptors = {1: forget_everything, 2: forget_everything}
+    cold = run(grid, load_config({**raw, "output.name": "cold"}))
+    # 2 rounds × 2 clients × (2·2+1) training messages + 2 clients × (begin + 2 tokens) to evaluate.
+    assert len(forgotten) == 2 * 2 * (2 * 2 + 1) + 2 * 3
+    assert [r["train_loss"] for r in metrics(cold)] == [r["train_loss"] for r in metrics(warm)]
+    assert metrics(cold)[1]["test_accuracy"] == metrics(warm)[1]["test_accuracy"]
+    for key, value in torch.load(warm.checkpoint_path(2), weights_only=True)["lora"].items():
+        torch.testing.assert_close(torch.load(cold.checkpoint_path(2), weights_only=True)["lora"][key], value, rtol=0, atol=0)
+    for partition in ("partition-0", "partition-1"):
+        warm_client = PrivateStore(warm.path / "clients" / partition).load()
+        cold_client = PrivateStore(cold.path / "clients" / partition).load()
+        assert warm_client["step"] == cold_client["step"] == 4
+        for owner in ("head", "tail"):
+            for key, value in warm_client["lora"][owner].items():
+                torch.testing.assert_close(cold_client["lora"][owner][key], value, rtol=0, atol=0)
