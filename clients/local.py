@@ -14,9 +14,9 @@ from vqa import score_sample
 
 
 def train_steps(rt: ClientRuntime, optimizer: torch.optim.Optimizer, steps: int, grad_accum: int) -> dict:
-    """`steps` optimiser steps of `grad_accum` micro-batches each; the mean micro-batch loss."""
+    """`steps` optimiser steps of `grad_accum` micro-batches each; the mean loss and kept visual tokens."""
     config, model = rt.config, rt.model
-    total = 0.0
+    total, kept = 0.0, []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for micro in range(grad_accum):
@@ -24,9 +24,10 @@ def train_steps(rt: ClientRuntime, optimizer: torch.optim.Optimizer, steps: int,
                 len(rt.train), config.train.batch_size, rt.step * grad_accum + micro, config.model.seed
             )
             batch = [rt.train[p] for p in positions]
-            inputs, _ = decoder_inputs(
+            inputs, kept_counts = decoder_inputs(
                 model, rt.features, rt.selector, batch, [item.answer_ids for item in batch], rt.party.device
             )
+            kept += kept_counts
             logits = run_decoder_layers(
                 model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0,
                 rt.party.segments[0].stop, apply_head=True,
@@ -36,7 +37,11 @@ def train_steps(rt: ClientRuntime, optimizer: torch.optim.Optimizer, steps: int,
             total += float(loss)
         optimizer.step()
         rt.step += 1
-    return {"loss": total / steps, "num-examples": float(steps * grad_accum * config.train.batch_size)}
+    return {
+        "loss": total / steps,
+        "kept_tokens": sum(kept) / len(kept),
+        "num-examples": float(steps * grad_accum * config.train.batch_size),
+    }
 
 
 @torch.no_grad()

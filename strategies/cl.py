@@ -16,7 +16,7 @@ class CLStrategy(RoundStrategy):
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         reply = self.exchange(grid, nodes[0], round_, protocol.CL_TRAIN, {"committed-round": round_ - 1})
         metrics = reply.metric_records[protocol.METRICS]
-        return {"train_loss": metrics["loss"], "steps": self.config.train.steps_per_round, "kept_tokens": None}
+        return {"train_loss": metrics["loss"], "steps": self.config.train.steps_per_round, "kept_tokens": metrics["kept_tokens"]}
 
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         metrics = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {}).metric_records[protocol.METRICS]

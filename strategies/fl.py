@@ -97,17 +97,18 @@ class WireFedAvg(FedAvg):
             if not decode:
                 kept.append(reply)
                 continue
+            expected = {k: (shape, "float") for k, shape in self.global_shapes.items()}
             try:
-                expected = {k: (shape, "float") for k, shape in self.global_shapes.items()}
-                tensors = self.wire.received(round_, node, "adapter update", reply.content, expected,
-                                             record_key=protocol.ARRAYS)
-                num_examples = reply.content.metric_records[protocol.METRICS]["num-examples"]
+                tensors = self.wire.received(
+                    round_, node, "adapter update", reply.content, expected, record_key=protocol.ARRAYS
+                )
+                reported = reply.content.metric_records[protocol.METRICS]
+                metrics = MetricRecord({key: reported[key] for key in ("num-examples", "loss", "kept_tokens")})
             except (WireError, KeyError) as error:
-                self._fault(node, phase, str(error))
+                self._fault(node, phase, f"{type(error).__name__}: {error}")
                 continue
-            content = RecordDict({protocol.ARRAYS: to_numpy_record(tensors),
-                                  protocol.METRICS: MetricRecord({"num-examples": num_examples,
-                                                                  "loss": reply.content.metric_records[protocol.METRICS]["loss"]})})
+            # FedAvg averages numpy arrays: the accepted update, decoded to fp32.
+            content = RecordDict({protocol.ARRAYS: to_numpy_record(tensors), protocol.METRICS: metrics})
             kept.append(Message(content=content, reply_to=reply))
         return kept
 
@@ -123,7 +124,7 @@ class WireFedAvg(FedAvg):
         arrays, metrics = super().aggregate_train(server_round, kept)
         self.arrays = arrays
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
-                            "clients_averaged": len(kept), "kept_tokens": None})
+                            "clients_averaged": len(kept), "kept_tokens": float(metrics["kept_tokens"])})
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):

@@ -1,0 +1,35 @@
+"""What a USL server receives: the two cuts' traffic, nothing about the inputs or outputs."""
+
+from flwr.app import Message
+
+from clients.app import app as client_app
+from sims.schema import load_config
+from strategies import app as server_app
+from strategies.app import run
+
+
+def test_the_server_receives_only_cut_activations_and_gradients(run_config, fake_grid, monkeypatch):
+    raw = run_config(**{"train.steps_per_round": 2, "eval.every": 1})
+    grid = fake_grid(client_app, raw, 2)
+    replies: list[Message] = []
+    for node in (1, 2):
+        grid.interceptors[node] = lambda message, reply: replies.append(reply) or reply
+    observed = []
+    monkeypatch.setattr(server_app, "OBSERVER_FACTORIES", [lambda config, folder: observed.append])
+    run(grid, load_config(raw))
+
+    # Training: 2 clients × (2·2 + 1) replies; evaluation: 2 clients × (begin + 1 or 2 tokens).
+    assert 2 * 5 + 2 * 2 <= len(replies) <= 2 * 5 + 2 * 3
+    for reply in replies:
+        content = reply.content
+        assert set(content.config_records) == set()  # no text, no ids
+        assert set(content.array_records) == {"wire"}
+        assert set(content.array_records["wire"]) <= {"rows", "lengths", "grad"}
+        # Scalars only: the loss, the kept-token count, evaluation counts — no labels, no logits.
+        assert set(content.metric_records["metrics"]) <= {"loss", "kept_tokens", "eval-batches", "correct", "count"}
+    kinds = {transfer.kind for transfer in observed}
+    assert kinds == {"activation at CA", "gradient at CB", "end of turn", "evaluation activation at CA", "evaluation score"}
+    hidden = 32  # tiny profile
+    for transfer in observed:
+        for tensor in transfer.tensors.values():
+            assert tensor.ndim == 1 or tensor.shape[-1] == hidden  # per-token states or per-sample lengths
