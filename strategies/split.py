@@ -198,7 +198,7 @@ class SLStrategy(SplitStrategy):
         loss = next_token_loss(logits, labels)
         self.server_update(loss, None)
         next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": rows.grad})
-        return next_reply, float(loss), received["rows"].shape[0]
+        return next_reply, loss.detach().item(), received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
         received = self.wire.received(

@@ -172,3 +172,17 @@ def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weig
         for owner in ("head", "tail"):
             for key, value in warm_client["lora"][owner].items():
                 torch.testing.assert_close(cold_client["lora"][owner][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paradigm", ["cl", "fl", "sl", "usl"])
+def test_a_longer_run_continues_where_the_shorter_one_ended(paradigm, run_config, fake_grid):
+    count = 1 if paradigm == "cl" else 2
+    raw = run_config(paradigm=paradigm, **{"clients.count": count, "train.rounds": 2, "train.steps_per_round": 2})
+    straight = run(fake_grid(client_app, {**raw, "output.name": "straight"}, count),
+                   load_config({**raw, "output.name": "straight"}))
+    short = {**raw, "train.rounds": 1}
+    run(fake_grid(client_app, short, count), load_config(short))
+    extended = run(fake_grid(client_app, raw, count), load_config(raw))
+    assert status(extended)["resumed_from"] == 1
+    assert [r["round"] for r in metrics(extended)] == [1, 2]
+    assert [r["train_loss"] for r in metrics(extended)] == [r["train_loss"] for r in metrics(straight)]
