@@ -8,6 +8,10 @@ ports, and stops the SuperLink it started.
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from sims.launch import launch, stop_local_superlink
 
 pytestmark = pytest.mark.flwr_run
 SIMS = Path(__file__).parents[2] / "sims"
+RAY_PORT = 6391
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +61,58 @@ def test_the_paper_sim_fails_fast_and_says_what_is_missing(flwr_home, tmp_path):
     assert status["state"] == "failed"
     assert status["error_type"] == "ModelNotAvailableError"
     assert "llava-1.5-7b" in status["error"] and "model.source" in status["error"]
+
+
+def stop_processes_naming(*markers: str) -> None:
+    """Stop the processes this test started: those whose command line holds a marker only
+    they have (a path, a port), and their descendants (Ray's agents rename themselves)."""
+    parents, matched = {}, set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+        if any(marker in args for marker in markers) and int(proc.name) != os.getpid():
+            matched.add(int(proc.name))
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in matched} - matched
+        grew = bool(children)
+        matched |= children
+    for pid in matched:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypatch):
+    """RAY_ADDRESS in the environment that starts the SuperLink sends the clients to that cluster."""
+    # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed.
+    ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    home = tmp_path / "flwr-home"
+    subprocess.run(
+        ["ray", "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2", "--temp-dir", str(ray_dir),
+         "--include-dashboard=false", "--disable-usage-stats"],
+        check=True, capture_output=True, timeout=120,
+    )
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{RAY_PORT}")
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", "39693")
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "39694")
+    try:
+        overrides = {
+            "model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "train.rounds": 1,
+            "train.steps_per_round": 1, "train.batch_size": 4, "eval.every": 0,
+            "output.root": str(tmp_path), "output.name": "on-cluster",
+        }
+        status, _, process = launch(SIMS / "usl_easyvqa", overrides, "num-supernodes=2 client-resources-num-cpus=1", timeout_s=240)
+        assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+        # Ray writes a worker's logs into the cluster's own session: the client actors ran there.
+        workers = list(ray_dir.glob("session_latest/logs/worker-*.out"))
+        assert any("ClientAppActor" in path.read_text(errors="replace") for path in workers)
+    finally:
+        stop_local_superlink(home)
+        stop_processes_naming(str(ray_dir), f"{RAY_PORT} --host")
+        shutil.rmtree(ray_dir, ignore_errors=True)
