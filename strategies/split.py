@@ -47,18 +47,28 @@ class SplitStrategy(RoundStrategy):
         self.optimizer.load_state_dict(state["optim"])
 
     # -- the received activation -------------------------------------------------------------
-    def activation_expectation(self) -> dict:
+    def activation_expectation(self, training: bool) -> dict:
+        """The tensors of a client's activation message (evaluation and training may differ)."""
         return {"rows": ((None, self.hidden_size), "float"), "lengths": ((None,), "index")}
 
-    def receive_activation(self, round_: int, node: int, kind: str, content: RecordDict) -> dict[str, torch.Tensor]:
-        tensors = self.wire.received(round_, node, kind, content, self.activation_expectation())
-        lengths = tensors["lengths"]
-        if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != tensors["rows"].shape[0]:
-            raise WireError(
-                f"{kind} from client {node}: {tensors['rows'].shape[0]} rows do not match the per-sample "
-                f"lengths {lengths.tolist()}"
-            )
-        return tensors
+    def receive_activation(
+        self, round_: int, node: int, kind: str, content: RecordDict, *, training: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The client's packed activation, checked for consistency before anyone sees it."""
+
+        def consistent(tensors: dict[str, torch.Tensor]) -> None:
+            lengths = tensors["lengths"]
+            if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != tensors["rows"].shape[0]:
+                raise WireError(
+                    f"{kind} from client {node}: {tensors['rows'].shape[0]} rows do not match the per-sample "
+                    f"lengths {lengths.tolist()}"
+                )
+            self.check_extra(tensors, node)
+
+        return self.wire.received(round_, node, kind, content, self.activation_expectation(training), check=consistent)
+
+    def check_extra(self, tensors: dict[str, torch.Tensor], node: int) -> None:
+        """Checks of what a paradigm adds to the activation (SL: the answers)."""
 
     def compute_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.party.device, next(self.party.model.parameters()).dtype)
@@ -163,7 +173,7 @@ class USLStrategy(SplitStrategy):
         return next_reply, loss, received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
-        received = self.receive_activation(round_, node, "evaluation activation at CA", reply)
+        received = self.receive_activation(round_, node, "evaluation activation at CA", reply, training=False)
         with torch.no_grad():
             _, rows_out = self.body(received)
         return self.exchange(grid, node, round_, protocol.USL_EVAL_TAIL, {}, {"rows": rows_out})
@@ -174,8 +184,23 @@ class SLStrategy(SplitStrategy):
 
     owner = "server"
 
-    def activation_expectation(self) -> dict:
-        return {**super().activation_expectation(), "answers": ((None,), "index"), "answer_lengths": ((None,), "index")}
+    def activation_expectation(self, training: bool) -> dict:
+        # SL's labels live on the server: training activations bring the answer tokens along.
+        expected = super().activation_expectation(training)
+        if training:
+            expected.update(answers=((None,), "index"), answer_lengths=((None,), "index"))
+        return expected
+
+    def check_extra(self, tensors: dict[str, torch.Tensor], node: int) -> None:
+        if "answers" not in tensors:  # evaluation carries no answers
+            return
+        answer_lengths, lengths = tensors["answer_lengths"], tensors["lengths"]
+        if (
+            answer_lengths.numel() != lengths.numel()
+            or bool((answer_lengths < 1).any() | (answer_lengths > lengths).any())
+            or int(answer_lengths.sum()) != tensors["answers"].numel()
+        ):
+            raise WireError(f"answers from client {node} do not fit the samples' lengths")
 
     def logits(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, mask, positions = unpack_rows(rows, tensors["lengths"])
@@ -187,8 +212,6 @@ class SLStrategy(SplitStrategy):
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         received = self.receive_activation(round_, node, "activation at C", reply)
         answer_lengths = received["answer_lengths"].to(torch.long)
-        if answer_lengths.numel() != received["lengths"].numel() or bool((answer_lengths > received["lengths"]).any()):
-            raise WireError(f"answers from client {node} do not fit the samples' lengths")
         rows = self.compute_rows(received["rows"]).requires_grad_()
         logits, mask = self.logits(received, rows)
         # Left padding puts every sample's answer (and its end token) in its last positions.
@@ -201,9 +224,7 @@ class SLStrategy(SplitStrategy):
         return next_reply, loss.detach().item(), received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
-        received = self.wire.received(
-            round_, node, "evaluation activation at C", reply, super().activation_expectation()
-        )
+        received = self.receive_activation(round_, node, "evaluation activation at C", reply, training=False)
         with torch.no_grad():
             logits, _ = self.logits(received, self.compute_rows(received["rows"]))
         tokens = logits[:, -1].argmax(-1)

@@ -176,17 +176,21 @@ class Wire:
         expected: Mapping[str, Expectation],
         *,
         record_key: str = "wire",
+        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Count, decode and check a reply's tensors, then show them to the observers.
 
-        The bytes count even when the payload is rejected (they did cross the wire);
-        observers see only accepted payloads, i.e. what the server went on to use.
+        `check` adds the receiver's consistency rules (raising WireError). The bytes
+        count even when the payload is rejected (they did cross the wire); observers
+        see only accepted payloads, i.e. what the server went on to use.
         """
         num_bytes = serialized_size(content)
         self.ledger.add(round_, client, "up", num_bytes)
         if record_key not in content.array_records:
             raise WireError(f"{kind} from client {client}: the reply carries no {record_key!r} tensors")
         tensors = self.decode(content.array_records[record_key], expected, what=f"{kind} from client {client}")
+        if check is not None:
+            check(tensors)
         transfer = Transfer(round=round_, client=client, kind=kind, tensors=tensors, num_bytes=num_bytes)
         for observer in self._observers:
             observer(transfer)
