@@ -186,3 +186,30 @@ def test_a_longer_run_continues_where_the_shorter_one_ended(paradigm, run_config
     assert status(extended)["resumed_from"] == 1
     assert [r["round"] for r in metrics(extended)] == [1, 2]
     assert [r["train_loss"] for r in metrics(extended)] == [r["train_loss"] for r in metrics(straight)]
+
+
+def test_an_activation_whose_lengths_do_not_match_its_rows_is_rejected(run_config, fake_grid):
+    raw = run_config(**{"clients.count": 1})
+    grid = fake_grid(client_app, raw, 1)
+    seen = []
+
+    def wrong_lengths(message: Message, reply: Message) -> Message:
+        if message.metadata.message_type == protocol.SPLIT_BEGIN:
+            lengths = reply.content.array_records[protocol.TENSORS]["lengths"]
+            data = bytearray(lengths.data)
+            data[0] += 1  # one token more than the rows hold
+            reply.content.array_records[protocol.TENSORS]["lengths"] = type(lengths)(
+                dtype=lengths.dtype, shape=lengths.shape, stype=lengths.stype, data=bytes(data)
+            )
+        return reply
+
+    grid.interceptors[1] = wrong_lengths
+    from strategies import app as server_app
+
+    server_app.OBSERVER_FACTORIES.append(lambda config, folder: seen.append)
+    try:
+        with pytest.raises(RuntimeError, match="rows do not match the per-sample lengths"):
+            run(grid, load_config(raw))
+    finally:
+        server_app.OBSERVER_FACTORIES.pop()
+    assert seen == []  # a rejected payload is never shown to observers

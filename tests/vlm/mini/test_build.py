@@ -1,5 +1,7 @@
 """The build pipeline on a few optimisation steps: stages, caching, resume, loading, determinism."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,8 +17,13 @@ QUICK = MiniRecipe(
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    # Module-scoped, so the autouse single-thread fixture has not run yet; builds are
+    # only bit-identical at the same thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("cache")
-    return build_mini(QUICK, root=root, progress=False), root
+    yield build_mini(QUICK, root=root, progress=False), root
+    torch.set_num_threads(threads)
 
 
 def test_every_stage_is_recorded_with_its_time(built):
@@ -40,8 +47,6 @@ def test_an_interrupted_build_resumes_at_the_missing_stage(built, tmp_path):
     folder, root = built
     copy = MiniFolder(QUICK, tmp_path)
     copy.path.parent.mkdir(parents=True)
-    import shutil
-
     shutil.copytree(folder.path, copy.path)
     copy.lora.unlink()
     vision_time = copy.vision.stat().st_mtime_ns
