@@ -15,9 +15,12 @@ from training import protocol
 class CLStrategy(RoundStrategy):
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         reply = self.exchange(grid, nodes[0], round_, protocol.CL_TRAIN, {"committed-round": round_ - 1})
+        self.wire.received(round_, nodes[0], "training report", reply, {})  # counted: metrics only
         metrics = reply.metric_records[protocol.METRICS]
         return {"train_loss": metrics["loss"], "steps": self.config.train.steps_per_round, "kept_tokens": metrics["kept_tokens"]}
 
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        metrics = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {}).metric_records[protocol.METRICS]
+        reply = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {})
+        self.wire.received(round_, nodes[0], "evaluation score", reply, {})
+        metrics = reply.metric_records[protocol.METRICS]
         return {"test_accuracy": metrics["correct"] / max(metrics["count"], 1.0), "test_count": metrics["count"]}
