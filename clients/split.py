@@ -21,9 +21,15 @@ from clients.runtime import ClientRuntime
 from training.batches import EncodedSample, batch_positions, decoder_inputs
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
-from wire import pack_rows
+from wire import WireError, pack_rows
 
 EVAL_SCRATCH = "eval-scratch.json"
+
+
+def check_rows(what: str, rows: torch.Tensor, tokens: int) -> None:
+    """The server must answer with one row per real token of this client's batch."""
+    if rows.shape[0] != tokens:
+        raise WireError(f"{what} from the server has {rows.shape[0]} rows; this batch has {tokens} tokens")
 
 
 class SplitClient:
@@ -92,6 +98,7 @@ class SplitClient:
         batch = self.train_batch()
         inputs, hidden, _ = self.front_forward(batch, [item.answer_ids for item in batch])
         rows, _ = pack_rows(hidden, inputs.attention_mask)
+        check_rows("gradient at the first cut", grad_rows, rows.shape[0])
         optimizer = rt.optimizers[self.front]
         optimizer.zero_grad(set_to_none=True)
         rows.backward(grad_rows.to(rows.device, rows.dtype))

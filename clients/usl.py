@@ -6,7 +6,7 @@ the question, the answer, the labels or the logits: the loss is computed here.
 
 import torch
 
-from clients.split import SplitClient
+from clients.split import SplitClient, check_rows
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import unpack_rows
 
@@ -16,6 +16,7 @@ class USLClient(SplitClient):
 
     def _tail(self, inputs, rows: torch.Tensor) -> torch.Tensor:
         tail = self.rt.owned["tail"]
+        check_rows("activation at CB", rows, int(inputs.attention_mask.sum()))
         hidden, attention_mask, position_ids = unpack_rows(rows, inputs.attention_mask.sum(-1))
         return run_decoder_layers(
             self.rt.model, hidden, attention_mask, position_ids, tail.start, tail.stop, apply_head=True
