@@ -213,3 +213,38 @@ def test_an_activation_whose_lengths_do_not_match_its_rows_is_rejected(run_confi
     finally:
         server_app.OBSERVER_FACTORIES.pop()
     assert seen == []  # a rejected payload is never shown to observers
+
+
+def test_bf16_on_the_wire_halves_the_bytes_of_fp32(run_config, fake_grid):
+    records = {}
+    for dtype in ("fp32", "bf16"):
+        raw = run_config(**{"wire.dtype": dtype, "output.name": dtype, "train.steps_per_round": 2})
+        records[dtype] = metrics(run(fake_grid(client_app, raw, 2), load_config(raw)))[0]
+    assert records["bf16"]["train_tokens"] == records["fp32"]["train_tokens"]
+    for direction in ("bytes_up", "bytes_down"):
+        # Each message also carries ~1 kB of structure that does not shrink.
+        assert records["bf16"][direction] / records["fp32"][direction] == pytest.approx(0.5, abs=0.03)
+
+
+class KeepFirst:
+    """A stand-in pruning policy: the first `count` patches of every image."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __call__(self, features, questions):
+        return [torch.arange(self.count) for _ in range(features.shape[0])]
+
+
+def test_a_visual_token_selector_plugs_in_on_the_client(run_config, fake_grid, monkeypatch):
+    from clients import runtime as client_runtime_module
+
+    monkeypatch.setattr(client_runtime_module, "build_selector", lambda config: KeepFirst(3))
+    raw = run_config(**{"train.steps_per_round": 2, "output.name": "pruned"})
+    pruned = metrics(run(fake_grid(client_app, raw, 2), load_config(raw)))[0]
+    monkeypatch.undo()
+    raw = run_config(**{"train.steps_per_round": 2, "output.name": "full"})
+    full = metrics(run(fake_grid(client_app, raw, 2), load_config(raw)))[0]
+    assert pruned["kept_tokens"] == 3 and full["kept_tokens"] == 16  # tiny: 4 × 4 patches
+    # 13 fewer visual tokens per sample cross the cut (2 clients × 2 steps × 4 samples).
+    assert full["train_tokens"] - pruned["train_tokens"] == 13 * 2 * 2 * 4
