@@ -29,11 +29,6 @@ from vqa import build_prompt, load_vqa, partition_indices
 CLIENT_OWNERS = {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")}
 
 
-def run_folder(config: SimConfig) -> Path:
-    root = Path(config.output.root).expanduser() if config.output.root else Path.home() / "qpriv-runs"
-    return root / config.output.name
-
-
 @dataclass
 class ClientRuntime:
     config: SimConfig
@@ -112,7 +107,7 @@ def client_runtime(context: Context) -> ClientRuntime:
             f"clients.count={config.clients.count}; start the federation with num-supernodes={config.clients.count}"
         )
     state_dir = str(
-        context.node_config.get("state-dir") or run_folder(config) / "clients" / f"partition-{partition_id}"
+        context.node_config.get("state-dir") or config.run_folder() / "clients" / f"partition-{partition_id}"
     )
     key = (config.fingerprint(), partition_id, state_dir)
     if key not in _RUNTIMES:

@@ -16,7 +16,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from clients.runtime import run_folder
 from sims.schema import load_config
 
 
@@ -48,7 +47,7 @@ def launch(
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
     """Run the app; returns (status.json contents, run folder, the finished `flwr run` process)."""
     config = load_config(app_config(app_dir, overrides))
-    folder = run_folder(config)
+    folder = config.run_folder()
     status_file = folder / "status.json"
     previous = status_file.stat().st_mtime_ns if status_file.exists() else None
     command = ["flwr", "run", str(app_dir), "--stream"]

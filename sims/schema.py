@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
@@ -152,6 +153,11 @@ class SimConfig:
         if self.paradigm == "usl":
             return (self.split.cut_a, self.split.cut_b)
         return ()
+
+    def run_folder(self) -> Path:
+        """Where this run's folder lives (and, by default, its clients' private state)."""
+        root = Path(self.output.root).expanduser() if self.output.root else Path.home() / "qpriv-runs"
+        return root / self.output.name
 
     def to_flat(self) -> dict[str, Any]:
         return _flatten(OmegaConf.to_container(OmegaConf.structured(self)))

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from clients.runtime import run_folder
 from sims.schema import SimConfig, load_config
 from strategies.base import RoundStrategy
 from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
@@ -42,7 +41,7 @@ def build_round_strategy(config: SimConfig, wire: Wire, callbacks: Sequence[RunC
 
 def run(grid: Grid, config: SimConfig) -> RunFolder:
     """Run (or resume) the simulation `config` describes on `grid`; returns its folder."""
-    folder = RunFolder(config, run_folder(config))
+    folder = RunFolder(config, config.run_folder())
     folder.write_status("starting")
     try:
         started = time.perf_counter()

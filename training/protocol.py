@@ -20,4 +20,3 @@ SL_EVAL_NEXT = "evaluate.sl_next"  # next tokens chosen by the server's LM head
 USL_EVAL_TAIL = "evaluate.usl_tail"  # activation at CB; the client's tail picks the next tokens
 CL_TRAIN = "train.cl"
 LOCAL_EVALUATE = "evaluate.local"  # CL and FL: the client scores its test share on its own
-FL_TRAIN = "train"  # Flower's FedAvg sends plain "train" messages

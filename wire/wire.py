@@ -74,14 +74,12 @@ TransferObserver = Callable[[Transfer], None]
 
 @dataclass
 class Ledger:
-    """Serialised bytes and message counts per (round, client, direction)."""
+    """Serialised bytes per (round, client, direction)."""
 
     bytes: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
-    messages: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, round_: int, client: int, direction: str, num_bytes: int) -> None:
         self.bytes[round_, client, direction] += num_bytes
-        self.messages[round_, client, direction] += 1
 
     def round_totals(self, round_: int) -> dict[str, int]:
         totals = {f"bytes_{direction}": 0 for direction in DIRECTIONS}

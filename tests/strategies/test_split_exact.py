@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from clients.app import app as client_app
-from clients.runtime import build_runtime, run_folder
+from clients.runtime import build_runtime
 from sims.schema import load_config
 from strategies.app import run
 from training.batches import batch_positions, decoder_inputs
@@ -37,7 +37,7 @@ def test_one_step_through_messages_equals_the_unsplit_step(paradigm, run_config,
     reference = reference_step(config, tmp_path)
 
     server_state = torch.load(folder.checkpoint_path(1), weights_only=True)["lora"]
-    client_state = PrivateStore(run_folder(config) / "clients" / "partition-0").load()["lora"]
+    client_state = PrivateStore(config.run_folder() / "clients" / "partition-0").load()["lora"]
     split = dict(server_state)
     for owner_state in client_state.values():
         split.update(owner_state)
