@@ -25,6 +25,8 @@ from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_d
 from vlm.mini.tokenizer import build_word_tokenizer
 from vqa import build_prompt, load_vqa, partition_indices
 
+# The store part holding the step counter (the others are named after their owners).
+PROGRESS = "progress"
 # The segments a client trains and keeps, per paradigm (vlm.cuts owner names).
 CLIENT_OWNERS = {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")}
 
@@ -45,7 +47,7 @@ class ClientRuntime:
     initial_lora: dict[str, dict[str, torch.Tensor]]
     optimizers: dict[str, torch.optim.AdamW] = field(default_factory=dict)
     step: int = 0
-    loaded_version: tuple[int, int] | None = None
+    loaded_version: tuple[int, str] | None = None
 
     @property
     def model(self):
@@ -66,27 +68,30 @@ class ClientRuntime:
         version = self.store.version()
         if version is not None and version == self.loaded_version:
             return
-        state = self.store.load()
-        if state is None:
+        parts = self.store.load()
+        if parts is None:
             self.reset_private_state()
         else:
-            for owner, segment in self.owned.items():
-                load_owner_state_dict(self.model, segment, state["lora"][owner])
             self.optimizers = {owner: make_optimizer(self.parameters(owner), self.config) for owner in self.owned}
-            for owner, optimizer in self.optimizers.items():
-                optimizer.load_state_dict(state["optim"][owner])
-            self.step = int(state["step"])
+            for owner, segment in self.owned.items():
+                load_owner_state_dict(self.model, segment, parts[owner]["lora"])
+                self.optimizers[owner].load_state_dict(parts[owner]["optim"])
+            self.step = int(parts[PROGRESS]["step"])
         self.loaded_version = version
 
-    def save_private_state(self, round_: int) -> None:
-        self.store.save(
-            round_,
-            {
-                "lora": {owner: owner_state_dict(self.model, segment) for owner, segment in self.owned.items()},
-                "optim": {owner: optimizer.state_dict() for owner, optimizer in self.optimizers.items()},
-                "step": self.step,
-            },
-        )
+    def save_private_state(self, round_: int, owners: Iterable[str] | None = None) -> None:
+        """Snapshot the adapters and AdamW of `owners` (default: all this client owns) and the step counter."""
+        # The first snapshot must be complete: later ones start as links to it.
+        owners = self.owned if owners is None or self.store.version() is None else owners
+        parts: dict[str, Any] = {
+            owner: {
+                "lora": owner_state_dict(self.model, self.owned[owner]),
+                "optim": self.optimizers[owner].state_dict(),
+            }
+            for owner in owners
+        }
+        parts[PROGRESS] = {"step": self.step}
+        self.store.save(round_, parts)
         self.loaded_version = self.store.version()
 
 

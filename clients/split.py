@@ -104,7 +104,7 @@ class SplitClient:
         rows.backward(grad_rows.to(rows.device, rows.dtype))
         optimizer.step()
         rt.step += 1
-        rt.save_private_state(round_)
+        rt.save_private_state(round_, owners=(self.front,))
         return self.forward_payload() if go_on else {"tensors": {}, "metrics": {}}
 
     # -- evaluation: greedy answers, scored on the client ----------------------------------

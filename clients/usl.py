@@ -35,7 +35,7 @@ class USLClient(SplitClient):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        rt.save_private_state(round_)
+        rt.save_private_state(round_, owners=("tail",))
         return {"tensors": {"grad": rows.grad}, "metrics": {"loss": loss.detach().item()}}
 
     def eval_tail(self, rows: torch.Tensor) -> dict:

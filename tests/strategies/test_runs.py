@@ -168,10 +168,10 @@ def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weig
     for partition in ("partition-0", "partition-1"):
         warm_client = PrivateStore(warm.path / "clients" / partition).load()
         cold_client = PrivateStore(cold.path / "clients" / partition).load()
-        assert warm_client["step"] == cold_client["step"] == 4
+        assert warm_client["progress"]["step"] == cold_client["progress"]["step"] == 4
         for owner in ("head", "tail"):
-            for key, value in warm_client["lora"][owner].items():
-                torch.testing.assert_close(cold_client["lora"][owner][key], value, rtol=0, atol=0)
+            for key, value in warm_client[owner]["lora"].items():
+                torch.testing.assert_close(cold_client[owner]["lora"][key], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("paradigm", ["cl", "fl", "sl", "usl"])

@@ -37,10 +37,10 @@ def test_one_step_through_messages_equals_the_unsplit_step(paradigm, run_config,
     reference = reference_step(config, tmp_path)
 
     server_state = torch.load(folder.checkpoint_path(1), weights_only=True)["lora"]
-    client_state = PrivateStore(config.run_folder() / "clients" / "partition-0").load()["lora"]
+    client_parts = PrivateStore(config.run_folder() / "clients" / "partition-0").load()
     split = dict(server_state)
-    for owner_state in client_state.values():
-        split.update(owner_state)
+    for owner in {"usl": ("head", "tail"), "sl": ("client",)}[paradigm]:
+        split.update(client_parts[owner]["lora"])
     expected = {}
     for segment in reference.segments:
         expected.update(owner_state_dict(reference.model, segment))
