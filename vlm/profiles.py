@@ -168,7 +168,7 @@ def build_llava_config(
         vision_feature_select_strategy=profile.vision_feature_select_strategy,
         projector_hidden_act=profile.projector_hidden_act,
         image_seq_length=profile.num_patches,
-        tie_word_embeddings=False,
+        tie_word_embeddings=text_config.tie_word_embeddings,
     )
     config._attn_implementation = attn_implementation
     config.vision_config._attn_implementation = attn_implementation
@@ -225,12 +225,14 @@ MINI = register_profile(
         ),
         text=dict(
             hidden_size=128,
-            intermediate_size=512,
+            intermediate_size=256,
             num_hidden_layers=8,
             num_attention_heads=4,
             num_key_value_heads=4,
             max_position_embeddings=512,
-            tie_word_embeddings=False,
+            # Tied: the colour a decoder would say and the colour word it reads share one
+            # vector, which lets yes/no comparison emerge within a CPU budget (stages.py).
+            tie_word_embeddings=True,
         ),
         image_size=64,
         patch_size=8,

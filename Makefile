@@ -1,0 +1,14 @@
+# Each target sets up .venv on first use (scripts/setup.sh), so a fresh machine needs only `make`.
+.PHONY: setup test run mini-targets
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+run: setup
+	.venv/bin/qpriv-mini evaluate
+
+mini-targets: setup
+	.venv/bin/python benchmarks/mini_targets.py

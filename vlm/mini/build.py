@@ -1,0 +1,171 @@
+"""Build the mini model once, stage by stage, into a cache folder; load it back.
+
+Each finished stage is saved before the next starts, so an interrupted build
+resumes at the stage it was in. The folder is keyed by the recipe's fingerprint.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_model as load_weights_into
+from transformers import PreTrainedTokenizerFast
+
+from vlm.features import VisionFeatureCache
+from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model, clip_image_preprocessor
+from vlm.lora import apply_lora
+from vlm.mini.attributes import image_attributes
+from vlm.mini.recipe import MiniRecipe
+from vlm.mini.stages import instruction_texts, pretrain_vision, train_base, train_vqa_lora
+from vlm.mini.tokenizer import build_word_tokenizer
+from vlm.profiles import MINI, Profile
+from vqa import build_prompt, load_vqa
+
+CACHE_ENV = "QPRIV_CACHE_DIR"
+STAGES = ("base", "vqa")
+BUILD_COMMAND = "qpriv-mini build"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "qpriv-vl")).expanduser()
+
+
+class MiniFolder:
+    """The files of one mini-model build."""
+
+    def __init__(self, recipe: MiniRecipe, root: Path | None = None) -> None:
+        self.recipe = recipe
+        self.path = (root or cache_root()) / "mini" / recipe.fingerprint()
+        self.tokenizer = self.path / "tokenizer"
+        self.vision = self.path / "stage1_vision.safetensors"
+        self.features = self.path / "vision_features.pt"
+        self.base = self.path / "stage2_base.safetensors"
+        self.lora = self.path / "stage3_vqa_lora.safetensors"
+        self.report = self.path / "build.json"
+
+    def read_report(self) -> dict:
+        return json.loads(self.report.read_text()) if self.report.is_file() else {"stages": {}}
+
+    def write_report(self, report: dict) -> None:
+        self.report.write_text(json.dumps(report, indent=2))
+
+
+def _new_model(tokenizer: PreTrainedTokenizerFast, recipe: MiniRecipe) -> torch.nn.Module:
+    return build_random_model(
+        MINI,
+        seed=recipe.seed,
+        vocab_size=len(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, progress: bool = True) -> MiniFolder:
+    """Build (or finish building) the mini model; returns its folder. Seconds per stage go to build.json."""
+    folder = MiniFolder(recipe, root)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    report = folder.read_report()
+    report["recipe"] = asdict(recipe)
+    torch.manual_seed(recipe.seed)
+
+    def timed(stage: str, work) -> None:
+        started = time.perf_counter()
+        final_loss = work()
+        report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), "final_loss": final_loss}
+        folder.write_report(report)
+
+    train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
+    if not folder.tokenizer.is_dir():
+        texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for s in train]
+        texts += [build_prompt(question, recipe.instruction) for question in instruction_texts()]
+        build_word_tokenizer(texts).save_pretrained(folder.tokenizer)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
+    model = _new_model(tokenizer, recipe)
+    preprocess = clip_image_preprocessor(MINI.image_size)
+    attributes = image_attributes(train)
+
+    if folder.vision.is_file():
+        load_weights_into(model, folder.vision)
+    else:
+        image_ids = sorted(attributes)
+        first_sample = {s.image_id: s for s in reversed(train)}
+
+        def vision_stage() -> float:
+            pixels = preprocess([first_sample[i].image for i in image_ids])
+            loss = pretrain_vision(model, pixels, [attributes[i] for i in image_ids], recipe, progress=progress)
+            save_model(model, folder.vision)
+            return loss
+
+        timed("vision", vision_stage)
+
+    features = VisionFeatureCache(model, preprocess)
+    if folder.features.is_file():
+        features.load(folder.features)
+    else:
+
+        def feature_stage() -> None:
+            features.add([*train, *test], progress=progress)
+            features.save(folder.features)
+
+        timed("features", feature_stage)
+
+    if folder.base.is_file():
+        load_weights_into(model, folder.base)
+    else:
+
+        def base_stage() -> float:
+            loss = train_base(model, tokenizer, features, attributes, recipe, progress=progress)
+            save_model(model, folder.base)
+            return loss
+
+        timed("base", base_stage)
+
+    if not folder.lora.is_file():
+
+        def vqa_stage() -> float:
+            peft_model, loss = train_vqa_lora(model, tokenizer, features, list(train), recipe, progress=progress)
+            save_file(get_peft_model_state_dict(peft_model), folder.lora)
+            return loss
+
+        timed("vqa", vqa_stage)
+    report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
+    folder.write_report(report)
+    return folder
+
+
+def load_mini(
+    profile: Profile = MINI,
+    *,
+    stage: str = "vqa",
+    recipe: MiniRecipe = MiniRecipe(),
+    root: Path | None = None,
+) -> ModelBundle:
+    """The built mini model: `stage="base"` before the VQA LoRA stage, `"vqa"` after it."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}; allowed: {STAGES}")
+    folder = MiniFolder(recipe, root)
+    needed = [folder.tokenizer, folder.base] + ([folder.lora] if stage == "vqa" else [])
+    missing = [path.name for path in needed if not path.exists()]
+    if missing:
+        raise ModelNotAvailableError(
+            f"the mini model ({stage} stage) is not built in {folder.path} (missing: {', '.join(missing)}). "
+            f"Build it once with `{BUILD_COMMAND}` (about 12 minutes on 2 CPU cores; set {CACHE_ENV} to "
+            "build elsewhere)."
+        )
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
+    model = _new_model(tokenizer, recipe)
+    load_weights_into(model, folder.base)
+    if stage == "vqa":
+        model = apply_lora(model, rank=recipe.lora_rank)
+        set_peft_model_state_dict(model, load_file(folder.lora))
+    return ModelBundle(
+        model=model.eval(),
+        profile=profile,
+        tokenizer=tokenizer,
+        preprocess_images=clip_image_preprocessor(profile.image_size),
+    )

@@ -1,0 +1,42 @@
+"""The mini model's training recipe: every number that decides what gets built.
+
+The cache key is a fingerprint of this recipe, so changing any number builds a new
+model instead of silently reusing an old one.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class MiniRecipe:
+    seed: int = 0
+    # Stage 1, vision pretraining (stand-in for CLIP's): shape and colour from the
+    # patch features LLaVA actually reads (the vision feature layer), so they carry both.
+    vision_steps: int = 1500
+    vision_batch_size: int = 64
+    vision_lr: float = 3e-3
+    vision_max_shift: int = 6
+    # Stage 2, the base: projector + decoder learn to describe images and answer
+    # instructions generated from the captions (LLaVA's own way of making instruction
+    # data), in wordings other than easy-VQA's and without negation.
+    base_steps: int = 1500
+    base_batch_size: int = 64
+    base_lr: float = 1e-3
+    # Comparing a named colour with the image's emerges far sooner when each sequence
+    # holds only a few visual tokens (each carries the whole image): the first share of
+    # the base stage keeps 1..few random tokens, the rest any number up to all of them.
+    base_few_tokens_max: int = 4
+    base_few_tokens_share: float = 0.6
+    # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
+    vqa_steps: int = 800
+    vqa_batch_size: int = 64
+    vqa_lr: float = 1e-3
+    lora_rank: int = 32
+    # Every easy-VQA answer is one word; LLaVA's short-answer instruction would only
+    # lengthen each sequence by a tenth.
+    instruction: str | None = None
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
