@@ -44,7 +44,7 @@ def test_question_kind_follows_the_answer(test_split: VQADataset) -> None:
 def test_first_sample_matches_the_package_and_decodes(test_split: VQADataset) -> None:
     texts, answers, image_ids = easy_vqa.get_test_questions()
     first = test_split[0]
-    assert (first.question, first.answer, first.image_id) == (texts[0], answers[0], str(image_ids[0]))
+    assert (first.question, first.answer, first.image_id) == (texts[0], answers[0], f"test/{image_ids[0]}")
     image = first.image
     assert image.mode == "RGB" and image.size == (64, 64)
 
@@ -52,3 +52,11 @@ def test_first_sample_matches_the_package_and_decodes(test_split: VQADataset) ->
 def test_questions_about_one_image_share_its_id(test_split: VQADataset) -> None:
     per_image = Counter(sample.image_id for sample in test_split)
     assert max(per_image.values()) > 1
+
+
+def test_image_ids_are_unique_across_splits():
+    """The package numbers each split's images from 0; a shared id would make caches
+    keyed by image id hand test questions a training image."""
+    train_ids = {sample.image_id for sample in load_vqa("easyvqa", "train")}
+    test_ids = {sample.image_id for sample in load_vqa("easyvqa", "test")}
+    assert not train_ids & test_ids

@@ -43,9 +43,10 @@ def question_kind(answer: str) -> str:
 
 
 class EasyVQATable:
-    def __init__(self, questions: Questions, image_paths: dict[int, str]) -> None:
+    def __init__(self, questions: Questions, image_paths: dict[int, str], split: str) -> None:
         self._texts, self._answers, self._image_ids = questions
         self._image_paths = image_paths
+        self._split = split
 
     @property
     def num_rows(self) -> int:
@@ -56,7 +57,9 @@ class EasyVQATable:
 
     def attach_images(self, rows: list[SourceRow]) -> None:
         for row in rows:
-            row.image_id = row.image_key
+            # The package numbers each split's images from 0: without the split,
+            # train image 5 and test image 5 would share one id (and one cached feature).
+            row.image_id = f"{self._split}/{row.image_key}"
             path = self._image_paths.get(self._image_ids[row.row_index])
             if path is None:
                 row.missing_image_reason = f"no image file for image id {row.image_key}"
@@ -85,7 +88,7 @@ class EasyVQAAdapter:
     def open(self, source: str | None, split: str) -> EasyVQATable:
         if source is None:
             read_questions, read_image_paths = _BUNDLED_SPLITS[split]
-            return EasyVQATable(read_questions(), read_image_paths())
+            return EasyVQATable(read_questions(), read_image_paths(), split)
         return self._open_directory(require_local_path(self.name, source) / split, split)
 
     def _open_directory(self, split_dir: Path, split: str) -> EasyVQATable:
@@ -103,7 +106,7 @@ class EasyVQAAdapter:
         image_paths = {
             int(path.stem): str(path) for path in (split_dir / "images").glob("*.png") if path.stem.isdigit()
         }
-        return EasyVQATable((texts, answers, image_ids), image_paths)
+        return EasyVQATable((texts, answers, image_ids), image_paths, split)
 
 
 EASYVQA = register_dataset(EasyVQAAdapter())
