@@ -21,14 +21,14 @@ class MiniRecipe:
     # Stage 2, the base: projector + decoder learn to describe images and answer
     # instructions generated from the captions (LLaVA's own way of making instruction
     # data), in wordings other than easy-VQA's and without negation.
-    base_steps: int = 1500
+    base_steps: int = 2000
     base_batch_size: int = 64
     base_lr: float = 1e-3
     # Comparing a named colour with the image's emerges far sooner when each sequence
     # holds only a few visual tokens (each carries the whole image): the first share of
     # the base stage keeps 1..few random tokens, the rest any number up to all of them.
     base_few_tokens_max: int = 4
-    base_few_tokens_share: float = 0.6
+    base_few_tokens_share: float = 0.7
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
     vqa_steps: int = 800
     vqa_batch_size: int = 64

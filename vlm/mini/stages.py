@@ -42,6 +42,7 @@ from vlm.segments import (
 from vqa import VQASample, build_prompt
 
 UNKNOWN_LABEL = -1
+YES_NO_WEIGHT = 3
 
 
 def _optimise(
@@ -121,11 +122,12 @@ def pretrain_vision(
 
 def _generated_instruction(attributes: ImageAttributes, rng: random.Random) -> tuple[str, str]:
     """One (question, answer) made from an image's caption; yes and no equally likely."""
+    # Yes/no comparison is what is slow to learn; reading an attribute off is quick.
     tasks = ["describe"]
     if attributes.color:
-        tasks += ["is_color", "which_color"]
+        tasks += ["is_color"] * YES_NO_WEIGHT + ["which_color"]
     if attributes.shape:
-        tasks += ["is_shape", "which_shape"]
+        tasks += ["is_shape"] * YES_NO_WEIGHT + ["which_shape"]
     task = rng.choice(tasks)
     if task == "describe":
         return "Describe the image.", attributes.caption()
