@@ -12,8 +12,10 @@ Why this recipe (LLAVA_NOTES.md): from scratch, shape stayed at chance; a base t
 only ever saw captions left a LoRA-only VQA stage answering every yes/no question
 with one constant, and a base that learned the question logic over *text*
 descriptions did not transfer it to the image (yes/no stayed at the 82% prior).
-A base that has already compared named attributes with the image makes the
-LoRA stage a matter of wording and negation.
+The intent is a base that has already compared named attributes with the image,
+leaving the LoRA stage wording and negation; tied embeddings and few visual tokens
+per sequence make that comparison start to emerge, but within this budget it does
+not yet (README, "Known gaps").
 """
 
 import math
