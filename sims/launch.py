@@ -42,6 +42,17 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return overrides
 
 
+def installed_tools_environment() -> dict[str, str]:
+    """This environment with the interpreter's scripts folder first on PATH.
+
+    `flwr` (and the SuperLink it starts) are console scripts of the virtualenv that runs
+    this module; without this, an un-activated `.venv/bin/python -m sims.launch` (as
+    `make test` runs it) would not find them.
+    """
+    scripts = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")])}
+
+
 def launch(
     app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
@@ -55,7 +66,9 @@ def launch(
         command += ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())]
     if federation_config:
         command += ["--federation-config", federation_config]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    process = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout_s, env=installed_tools_environment()
+    )
     if not status_file.exists() or status_file.stat().st_mtime_ns == previous:
         status = {"state": "unknown", "error": f"the run wrote no status to {status_file}; flwr said:\n{process.stdout[-3000:]}{process.stderr[-3000:]}"}
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sims.launch import launch, stop_local_superlink
+from sims.launch import installed_tools_environment, launch, stop_local_superlink
 
 pytestmark = pytest.mark.flwr_run
 SIMS = Path(__file__).parents[2] / "sims"
@@ -95,7 +95,7 @@ def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypat
     subprocess.run(
         ["ray", "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2", "--temp-dir", str(ray_dir),
          "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, capture_output=True, timeout=120,
+        check=True, capture_output=True, timeout=120, env=installed_tools_environment(),
     )
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{RAY_PORT}")
     monkeypatch.setenv("FLWR_HOME", str(home))
