@@ -29,6 +29,9 @@ class MiniRecipe:
     # the base stage keeps 1..few random tokens, the rest any number up to all of them.
     base_few_tokens_max: int = 4
     base_few_tokens_share: float = 0.7
+    # Yes/no comparison is what is slow to learn (reading an attribute off is quick), so
+    # each yes/no task is drawn this many times as often as a describe/which task.
+    base_yes_no_weight: int = 3
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
     vqa_steps: int = 800
     vqa_batch_size: int = 64

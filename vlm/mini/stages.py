@@ -44,7 +44,6 @@ from vlm.segments import (
 from vqa import VQASample, build_prompt
 
 UNKNOWN_LABEL = -1
-YES_NO_WEIGHT = 3
 
 
 def _optimise(
@@ -122,14 +121,15 @@ def pretrain_vision(
     return loss
 
 
-def _generated_instruction(attributes: ImageAttributes, rng: random.Random) -> tuple[str, str]:
+def _generated_instruction(
+    attributes: ImageAttributes, rng: random.Random, yes_no_weight: int
+) -> tuple[str, str]:
     """One (question, answer) made from an image's caption; yes and no equally likely."""
-    # Yes/no comparison is what is slow to learn; reading an attribute off is quick.
     tasks = ["describe"]
     if attributes.color:
-        tasks += ["is_color"] * YES_NO_WEIGHT + ["which_color"]
+        tasks += ["is_color"] * yes_no_weight + ["which_color"]
     if attributes.shape:
-        tasks += ["is_shape"] * YES_NO_WEIGHT + ["which_shape"]
+        tasks += ["is_shape"] * yes_no_weight + ["which_shape"]
     task = rng.choice(tasks)
     if task == "describe":
         return "Describe the image.", attributes.caption()
@@ -211,7 +211,9 @@ def train_base(
     def step_loss(step: int) -> torch.Tensor:
         max_tokens = recipe.base_few_tokens_max if step < few_tokens_steps else parts.config.image_seq_length
         image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size)]
-        pairs = [_generated_instruction(attributes[image_id], rng) for image_id in image_ids]
+        pairs = [
+            _generated_instruction(attributes[image_id], rng, recipe.base_yes_no_weight) for image_id in image_ids
+        ]
         return _lm_loss(
             model,
             tokenizer,
