@@ -8,8 +8,8 @@ FL: the adapters come from the server each round and AdamW starts fresh).
 import torch
 
 from clients.runtime import ClientRuntime
-from training.batches import batch_positions, decoder_inputs
-from vlm.segments import greedy_generate, next_token_loss, project_visual_features, run_decoder_layers
+from training.batches import batch_positions, decoder_inputs, projected_visual_tokens
+from vlm.segments import greedy_generate, next_token_loss, run_decoder_layers
 from vqa import score_sample
 
 
@@ -51,12 +51,7 @@ def evaluate_local(rt: ClientRuntime) -> dict:
     correct = 0.0
     for start in range(0, len(rt.test), config.eval.batch_size):
         batch = rt.test[start : start + config.eval.batch_size]
-        features = rt.features.stack([item.sample for item in batch]).to(rt.party.device)
-        keep = rt.selector(features, [item.sample.question for item in batch])
-        dtype = next(model.parameters()).dtype
-        visual = [
-            project_visual_features(model, features[i, k].unsqueeze(0).to(dtype))[0] for i, k in enumerate(keep)
-        ]
+        visual, _ = projected_visual_tokens(model, rt.features, rt.selector, batch, rt.party.device)
         generated = greedy_generate(
             model, [item.prompt_ids for item in batch], visual,
             max_new_tokens=config.eval.max_new_tokens, eos_token_id=rt.tokenizer.eos_token_id,

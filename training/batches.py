@@ -62,13 +62,25 @@ def decoder_inputs(
     device: torch.device,
 ) -> tuple[DecoderInputs, list[int]]:
     """Features -> kept tokens -> projector -> merged decoder inputs; also each sample's kept count."""
+    visual, kept = projected_visual_tokens(model, features, selector, batch, device)
+    inputs = merge_multimodal_inputs(
+        model, [item.prompt_ids for item in batch], visual, answers, padding_side="left"
+    )
+    return inputs, kept
+
+
+def projected_visual_tokens(
+    model: nn.Module,
+    features: VisionFeatureCache,
+    selector: VisualTokenSelector,
+    batch: Sequence[EncodedSample],
+    device: torch.device,
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Each sample's kept visual tokens through the projector, and how many were kept."""
     stacked = features.stack([item.sample for item in batch]).to(device)
     keep = selector(stacked, [item.sample.question for item in batch])
     dtype = next(model.parameters()).dtype
     visual = [
         project_visual_features(model, stacked[i, indices].unsqueeze(0).to(dtype))[0] for i, indices in enumerate(keep)
     ]
-    inputs = merge_multimodal_inputs(
-        model, [item.prompt_ids for item in batch], visual, answers, padding_side="left"
-    )
-    return inputs, [int(indices.numel()) for indices in keep]
+    return visual, [int(indices.numel()) for indices in keep]

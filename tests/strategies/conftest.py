@@ -1,4 +1,4 @@
-"""Shared fixtures: single-threaded torch and an in-process Grid.
+"""Shared fixtures: an in-process Grid.
 
 Strategy and client logic are tested through real Messages on sims.inprocess's grid,
 without the ~10 s start-up of `flwr run`; FakeGrid adds hooks to inject faults.
@@ -7,20 +7,11 @@ without the ~10 s start-up of `flwr run`; FakeGrid adds hooks to inject faults.
 from collections.abc import Callable
 
 import pytest
-import torch
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from sims.inprocess import InProcessGrid
 
-
-@pytest.fixture(autouse=True)
-def single_thread_torch():
-    """Tiny tensors gain nothing from intra-op threads on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class FakeGrid(InProcessGrid):

@@ -9,16 +9,6 @@ from vlm.profiles import TINY
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-@pytest.fixture(autouse=True)
-def single_thread_torch():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine the
-    threads' synchronisation made this suite ~15x slower (80 s instead of 5 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(params=ATTENTION_IMPLEMENTATIONS)
 def tiny_model(request: pytest.FixtureRequest):
     return build_random_model(TINY, seed=0, attn_implementation=request.param)
