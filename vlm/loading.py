@@ -146,12 +146,13 @@ def load_random(
     )
 
 
-def _unavailable(profile: Profile, what: str) -> ModelNotAvailableError:
-    repo = profile.hf_id or "<hub id>"
+def unavailable(owner: str, hub_id: str | None, what: str, source_key: str = "model.source") -> ModelNotAvailableError:
+    """The error for missing real weights: what is missing and how to supply it offline."""
+    repo = hub_id or "<hub id>"
     return ModelNotAvailableError(
-        f"weights for profile {profile.name!r} are not available: {what}. On a machine with hub access run "
-        f"`hf download {repo} --local-dir DIR`, copy DIR here, and point the model source (`source=` / the run "
-        "config's model source) at DIR."
+        f"weights for {owner} are not available: {what}. On a machine with hub access run "
+        f"`hf download {repo} --local-dir DIR`, copy DIR here, and point the source (`source=` / the run "
+        f"config's {source_key}) at DIR."
     )
 
 
@@ -159,29 +160,42 @@ def _looks_like_hub_id(source: str) -> bool:
     return source.count("/") == 1 and not source.startswith((".", "/", "~"))
 
 
-def resolve_pretrained_source(profile: Profile, source: str | Path | None, cache_dir: str | Path | None) -> Path:
+def resolve_checkpoint(
+    owner: str,
+    hub_id: str | None,
+    source: str | Path | None,
+    cache_dir: str | Path | None,
+    source_key: str = "model.source",
+) -> Path:
     """A local checkpoint folder for `source` (a folder, or a hub id already in the HF cache).
 
-    Never contacts the hub: a missing model must fail in milliseconds, not after
-    from_pretrained's minutes of retries.
+    `owner` names what the weights are for and `source_key` the run-config key that
+    points at them, in errors; `hub_id` is used when `source` is None. Never contacts
+    the hub: a missing model must fail in milliseconds, not after from_pretrained's
+    minutes of retries.
     """
-    source = profile.hf_id if source is None else source
+    source = hub_id if source is None else source
     if source is None:
-        raise _unavailable(profile, "the profile names no hub id and no source was given")
+        raise unavailable(owner, hub_id, "no hub id is known and no source was given", source_key)
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / CONFIG_FILE).is_file():
-            raise _unavailable(profile, f"folder {path} has no {CONFIG_FILE}")
+            raise unavailable(owner, hub_id, f"folder {path} has no {CONFIG_FILE}", source_key)
         return path
     if path.exists() or not _looks_like_hub_id(str(source)):
-        raise _unavailable(profile, f"source {str(source)!r} is neither a checkpoint folder nor a hub id")
+        raise unavailable(owner, hub_id, f"source {str(source)!r} is neither a checkpoint folder nor a hub id", source_key)
     cached_config = try_to_load_from_cache(str(source), CONFIG_FILE, cache_dir=cache_dir)
     if not isinstance(cached_config, str):
-        raise _unavailable(profile, f"{source!r} is not a local folder and is not in the local HF cache")
+        raise unavailable(owner, hub_id, f"{source!r} is not a local folder and is not in the local HF cache", source_key)
     snapshot = Path(cached_config).parent
     if not any((snapshot / name).is_file() for name in WEIGHT_INDEX_FILES):
-        raise _unavailable(profile, f"the HF cache holds {source!r}'s config but not its weights ({snapshot})")
+        raise unavailable(owner, hub_id, f"the HF cache holds {source!r}'s config but not its weights ({snapshot})", source_key)
     return snapshot
+
+
+def resolve_pretrained_source(profile: Profile, source: str | Path | None, cache_dir: str | Path | None) -> Path:
+    """The local LLaVA checkpoint folder of a profile (see resolve_checkpoint)."""
+    return resolve_checkpoint(f"profile {profile.name!r}", profile.hf_id, source, cache_dir)
 
 
 def load_pretrained_llava(
@@ -205,7 +219,7 @@ def load_pretrained_llava(
         )
         processor = AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
     except OSError as error:
-        raise _unavailable(profile, f"loading {checkpoint} failed ({error})") from error
+        raise unavailable(f"profile {profile.name!r}", profile.hf_id, f"loading {checkpoint} failed ({error})") from error
     return ModelBundle(
         model=model.eval(),
         profile=profile,
