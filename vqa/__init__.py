@@ -1,6 +1,8 @@
-"""The data layer: VQA datasets as one sample schema, partitions, prompts, scoring."""
+"""The data layer: VQA datasets as one sample schema, partitions, prompts, scoring;
+the stamped privacy benchmark."""
 
 import vqa.adapters  # noqa: F401  (registers the built-in datasets)
+from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
 from vqa.answers import canonical_answer, normalize_answer
 from vqa.errors import RowProblem, VQADataError
 from vqa.images import ImageRef, to_rgb
@@ -18,6 +20,7 @@ from vqa.scoring import (
     token_recall,
     vqa_soft_accuracy,
 )
+from vqa.stamping import MarkRecord, StampSpec, mark_patches
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -27,10 +30,13 @@ __all__ = [
     "DatasetAdapter",
     "GroupAccuracy",
     "ImageRef",
+    "MarkRecord",
     "PromptPair",
     "RowProblem",
     "SourceRow",
     "SourceTable",
+    "StampSpec",
+    "StampedEasyVQAAdapter",
     "VQADataError",
     "VQADataset",
     "VQASample",
@@ -43,6 +49,8 @@ __all__ = [
     "first_token_substring_match",
     "get_adapter",
     "load_vqa",
+    "mark_patches",
+    "mark_records",
     "normalize_answer",
     "partition_dataset",
     "partition_indices",

@@ -13,8 +13,10 @@ from vqa import VQADataError, dataset_names, get_adapter, load_vqa
 
 
 def test_every_paper_benchmark_and_easyvqa_is_registered() -> None:
-    assert set(dataset_names()) == {"easyvqa", "vqa-rad", "slake", "pathvqa", "gqa", "okvqa", "vqav2"}
-    assert {layout.dataset for layout in LAYOUTS} == set(dataset_names())
+    # easyvqa-stamped reads easy-VQA's layout; its own tests are in test_stamping.py.
+    paper_and_easyvqa = {"easyvqa", "vqa-rad", "slake", "pathvqa", "gqa", "okvqa", "vqav2"}
+    assert set(dataset_names()) == paper_and_easyvqa | {"easyvqa-stamped"}
+    assert {layout.dataset for layout in LAYOUTS} == paper_and_easyvqa
 
 
 def test_real_layout_maps_to_the_schema(layout: SourceLayout, tmp_path: Path) -> None:
@@ -147,7 +149,7 @@ def test_unknown_split_lists_the_allowed_ones() -> None:
 
 
 def test_unknown_dataset_lists_the_known_ones() -> None:
-    with pytest.raises(VQADataError, match=r"unknown dataset 'vqa-med'; known datasets: easyvqa, gqa, okvqa"):
+    with pytest.raises(VQADataError, match=r"unknown dataset 'vqa-med'; known datasets: easyvqa, easyvqa-stamped, gqa"):
         load_vqa("vqa-med", "train")
 
 

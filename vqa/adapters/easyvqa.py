@@ -14,7 +14,7 @@ generated variants of the benchmark.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,11 @@ class EasyVQATable:
     @property
     def num_rows(self) -> int:
         return len(self._texts)
+
+    @property
+    def image_paths(self) -> Mapping[int, str]:
+        """Every image file of the split by the package's image number, asked about or not."""
+        return self._image_paths
 
     def read_rows(self, indices: Sequence[int]) -> list[SourceRow]:
         return [self._row(index) for index in indices]
