@@ -1,5 +1,5 @@
 """The data layer: VQA datasets as one sample schema, partitions, prompts, scoring;
-the stamped privacy benchmark."""
+the stamped privacy benchmark and the privacy bags of the sensitivity teacher."""
 
 import vqa.adapters  # noqa: F401  (registers the built-in datasets)
 from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
@@ -7,6 +7,14 @@ from vqa.answers import canonical_answer, normalize_answer
 from vqa.errors import RowProblem, VQADataError
 from vqa.images import ImageRef, to_rgb
 from vqa.partition import partition_dataset, partition_indices, register_partitioner
+from vqa.privacy_bags import (
+    PRIVATE,
+    PUBLIC,
+    BagImage,
+    load_privacy_bags,
+    privacy_bag_names,
+    register_privacy_bags,
+)
 from vqa.prompts import IMAGE_PLACEHOLDER, SHORT_ANSWER_INSTRUCTION, PromptPair, build_prompt, build_training_pair
 from vqa.registry import DatasetAdapter, SourceRow, SourceTable, dataset_names, get_adapter, load_vqa, register_dataset
 from vqa.schema import AnswerType, VQADataset, VQASample
@@ -24,9 +32,12 @@ from vqa.stamping import MarkRecord, StampSpec, mark_patches
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "PRIVATE",
+    "PUBLIC",
     "SHORT_ANSWER_INSTRUCTION",
     "AccuracyReport",
     "AnswerType",
+    "BagImage",
     "DatasetAdapter",
     "GroupAccuracy",
     "ImageRef",
@@ -48,14 +59,17 @@ __all__ = [
     "exact_match",
     "first_token_substring_match",
     "get_adapter",
+    "load_privacy_bags",
     "load_vqa",
     "mark_patches",
     "mark_records",
     "normalize_answer",
     "partition_dataset",
     "partition_indices",
+    "privacy_bag_names",
     "register_dataset",
     "register_partitioner",
+    "register_privacy_bags",
     "score_sample",
     "to_rgb",
     "token_recall",

@@ -113,7 +113,7 @@ def load_vqa(
         allowed = ", ".join(adapter.splits)
         raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=name, split=split)
     table = adapter.open(source, split)
-    rows = table.read_rows(_select_rows(table.num_rows, limit, seed, name, split))
+    rows = table.read_rows(select_rows(table.num_rows, limit, seed, name, split))
     _raise_for_problems(rows, _text_problem, name, split)
     table.attach_images(rows)
     _raise_for_problems(rows, _image_problem, name, split)
@@ -123,7 +123,8 @@ def load_vqa(
     return dataset
 
 
-def _select_rows(num_rows: int, limit: int | None, seed: int, name: str, split: str) -> list[int]:
+def select_rows(num_rows: int, limit: int | None, seed: int, name: str, split: str) -> list[int]:
+    """Every row, or a seeded random subset of ``limit`` rows in source order."""
     if limit is None or limit >= num_rows:
         return list(range(num_rows))
     if limit < 1:

@@ -287,3 +287,164 @@ def layout_of(dataset: str) -> SourceLayout:
 @pytest.fixture(params=LAYOUTS, ids=str)
 def layout(request: pytest.FixtureRequest) -> SourceLayout:
     return request.param
+
+
+# Privacy bags: the paper's positive (CelebA, NIH Chest X-ray, EuroSAT) and negative
+# (MNIST, CIFAR-10) sets, each in the column layout of the hub copy the loader names.
+
+BagPicture = Image.Image | bytes | None
+
+GOOD_BAG_IMAGES: tuple[Image.Image, ...] = (
+    Image.new("RGB", (21, 26), (180, 120, 90)),
+    Image.new("L", (28, 28), 200),
+    Image.new("RGBA", (9, 9), (0, 0, 255, 0)),
+)
+
+CELEBA_ATTRIBUTES = (
+    "5_o_Clock_Shadow", "Arched_Eyebrows", "Attractive", "Bags_Under_Eyes", "Bald", "Bangs", "Big_Lips",
+    "Big_Nose", "Black_Hair", "Blond_Hair", "Blurry", "Brown_Hair", "Bushy_Eyebrows", "Chubby",
+    "Double_Chin", "Eyeglasses", "Goatee", "Gray_Hair", "Heavy_Makeup", "High_Cheekbones", "Male",
+    "Mouth_Slightly_Open", "Mustache", "Narrow_Eyes", "No_Beard", "Oval_Face", "Pale_Skin", "Pointy_Nose",
+    "Receding_Hairline", "Rosy_Cheeks", "Sideburns", "Smiling", "Straight_Hair", "Wavy_Hair",
+    "Wearing_Earrings", "Wearing_Hat", "Wearing_Lipstick", "Wearing_Necklace", "Wearing_Necktie", "Young",
+)
+
+
+def _snapshot_readme(config: str, splits: Sequence[str], folder: str) -> str:
+    data_files = "".join(f"  - split: {split}\n    path: {folder}/{split}-*\n" for split in splits)
+    return f"---\nconfigs:\n- config_name: {config}\n  data_files:\n{data_files}---\n"
+
+
+def _write_snapshot(root: Path, config: str, folder: str, tables: dict[str, datasets.Dataset]) -> str:
+    for split, table in tables.items():
+        _to_parquet(table, root / folder / f"{split}-00000-of-00001.parquet")
+    (root / "README.md").write_text(_snapshot_readme(config, list(tables), folder))
+    return str(root)
+
+
+def _celeba_table(images: Sequence[BagPicture]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {
+            "image": [_image_cell(image) for image in images],
+            "celeb_id": [2880 + i for i in range(len(images))],
+            **{name: [i % 2 == 0 for i in range(len(images))] for name in CELEBA_ATTRIBUTES},
+        },
+        features=_image_features(
+            {"celeb_id": datasets.Value("int64"), **{name: datasets.Value("bool") for name in CELEBA_ATTRIBUTES}}
+        ),
+    )
+
+
+def write_celeba(root: Path, split: str, images: Sequence[BagPicture]) -> str:
+    """A flwrlabs/celeba snapshot: config img_align+identity+attr, splits train/valid/test."""
+    tables = {name: _celeba_table(images if name == split else GOOD_BAG_IMAGES) for name in ("train", "valid", "test")}
+    return _write_snapshot(root, "img_align+identity+attr", "img_align+identity+attr", tables)
+
+
+def _nih_table(images: Sequence[BagPicture]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {
+            "image": [_image_cell(image) for image in images],
+            "label": [["No Finding"] if i % 2 else ["Effusion", "Infiltration"] for i in range(len(images))],
+            "Patient Age": [58 + i for i in range(len(images))],
+            "Patient Gender": ["M" if i % 2 else "F" for i in range(len(images))],
+            "View Position": ["PA"] * len(images),
+            "Patient ID": [13 + i for i in range(len(images))],
+        },
+        features=_image_features(
+            {
+                "label": datasets.Sequence(datasets.Value("string")),
+                "Patient Age": datasets.Value("int32"),
+                "Patient Gender": datasets.Value("string"),
+                "View Position": datasets.Value("string"),
+                "Patient ID": datasets.Value("int32"),
+            }
+        ),
+    )
+
+
+def write_nih_chest_xray(root: Path, split: str, images: Sequence[BagPicture]) -> str:
+    """A BahaaEldin0/NIH-Chest-Xray-14 snapshot: data/{train,valid,test}-*.parquet."""
+    tables = {name: _nih_table(images if name == split else GOOD_BAG_IMAGES) for name in ("train", "valid", "test")}
+    return _write_snapshot(root, "default", "data", tables)
+
+
+EUROSAT_CLASSES = (
+    "Annual Crop", "Forest", "Herbaceous Vegetation", "Highway", "Industrial Buildings",
+    "Pasture", "Permanent Crop", "Residential Buildings", "River", "SeaLake",
+)
+
+
+def write_eurosat(root: Path, split: str, images: Sequence[BagPicture]) -> str:
+    """One parquet data file of blanchon/EuroSAT_RGB (image, label, filename)."""
+    table = datasets.Dataset.from_dict(
+        {
+            "image": [_image_cell(image) for image in images],
+            "label": [i % len(EUROSAT_CLASSES) for i in range(len(images))],
+            "filename": [f"Forest/Forest_{i + 1}.jpg" for i in range(len(images))],
+        },
+        features=_image_features(
+            {"label": datasets.ClassLabel(names=list(EUROSAT_CLASSES)), "filename": datasets.Value("string")}
+        ),
+    )
+    path = root / f"{split}-00000-of-00001.parquet"
+    _to_parquet(table, path)
+    return str(path)
+
+
+def _digit_label_table(image_column: str, images: Sequence[BagPicture], classes: Sequence[str]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {image_column: [_image_cell(image) for image in images], "label": [i % len(classes) for i in range(len(images))]},
+        features=datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=list(classes))}),
+    )
+
+
+def write_mnist(root: Path, split: str, images: Sequence[BagPicture]) -> str:
+    """A save_to_disk copy of ylecun/mnist (image, label)."""
+    table = _digit_label_table("image", images, [str(digit) for digit in range(10)])
+    datasets.DatasetDict({split: table, "train": _digit_label_table("image", GOOD_BAG_IMAGES, ["0"])}).save_to_disk(
+        root / "mnist"
+    )
+    return str(root / "mnist")
+
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def write_cifar10(root: Path, split: str, images: Sequence[BagPicture], image_column: str = "img") -> str:
+    """A uoft-cs/cifar10 snapshot: config plain_text, plain_text/{train,test}-*.parquet (img, label)."""
+    tables = {
+        name: _digit_label_table(image_column, images if name == split else GOOD_BAG_IMAGES, CIFAR10_CLASSES)
+        for name in ("train", "test")
+    }
+    return _write_snapshot(root, "plain_text", "plain_text", tables)
+
+
+@dataclass(frozen=True)
+class BagLayout:
+    name: str
+    # This package's split name; the writer is given the source's name for it.
+    split: str
+    source_split: str
+    label: int
+    write: Callable[[Path, str, Sequence[BagPicture]], str]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def written(self, root: Path, images: Sequence[BagPicture]) -> str:
+        return self.write(root, self.source_split, images)
+
+
+BAG_LAYOUTS = (
+    BagLayout("celeba", "validation", "valid", 1, write_celeba),
+    BagLayout("nih-chest-xray", "validation", "valid", 1, write_nih_chest_xray),
+    BagLayout("eurosat", "test", "test", 1, write_eurosat),
+    BagLayout("mnist", "test", "test", 0, write_mnist),
+    BagLayout("cifar10", "train", "train", 0, write_cifar10),
+)
+
+
+@pytest.fixture(params=BAG_LAYOUTS, ids=str)
+def bag_layout(request: pytest.FixtureRequest) -> BagLayout:
+    return request.param

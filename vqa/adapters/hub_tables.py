@@ -37,7 +37,7 @@ RowConverter = Callable[[dict[str, Any], int], SourceRow]
 _IMAGE_BATCH_ROWS = 256
 
 
-def _image_cells(
+def image_cells(
     images: datasets.Dataset, indices: Sequence[int], with_digest: bool
 ) -> Iterator[tuple[bool, str]]:
     """(present, content digest or "") per row; bytes are read only when digests are needed."""
@@ -59,7 +59,7 @@ def _content_digest(cell: dict[str, Any]) -> str:
     return hashlib.blake2b(payload, digest_size=8).hexdigest()
 
 
-def _undecoded_image_column(table: datasets.Dataset, column: str) -> datasets.Dataset:
+def undecoded_image_column(table: datasets.Dataset, column: str) -> datasets.Dataset:
     return table.select_columns([column]).cast_column(column, datasets.Image(decode=False))
 
 
@@ -101,7 +101,7 @@ class HFTable:
     def _attach_from_column(self, rows: list[SourceRow]) -> None:
         column = self._images.column_names[0]
         with_digest = any(not row.image_key for row in rows)
-        cells = _image_cells(self._images, [row.row_index for row in rows], with_digest)
+        cells = image_cells(self._images, [row.row_index for row in rows], with_digest)
         for row, (present, digest) in zip(rows, cells, strict=True):
             if not present:
                 row.missing_image_reason = f"the {column!r} cell is empty"
@@ -140,7 +140,7 @@ class HFTableAdapter:
         table = open_hf_split(self.name, source, split)
         require_columns(self.name, split, table, (*self.question_columns, self.image_column), source)
         return HFTable(
-            self._text_columns(table), self.convert, _undecoded_image_column(table, self.image_column)
+            self._text_columns(table), self.convert, undecoded_image_column(table, self.image_column)
         )
 
     def _text_columns(self, table: datasets.Dataset) -> datasets.Dataset:
@@ -164,7 +164,7 @@ class HFTableAdapter:
         return HFTable(
             self._text_columns(questions),
             self.convert,
-            _undecoded_image_column(images, "image"),
+            undecoded_image_column(images, "image"),
             image_row_by_key,
         )
 
