@@ -1,1 +1,94 @@
-"""QPriv-VL: question-guided, privacy-aware visual-token pruning (Dynamic Threshold Predictor)."""
+"""QPriv-VL: question-guided, privacy-aware visual-token pruning (Dynamic Threshold Predictor).
+
+- pruning.profiles: the sizes per model profile (encoders, P, head widths)
+- pruning.encoders: the frozen CLIP text tower and DINOv2 (real or seeded random)
+- pruning.module: QPrivVL (relevance, sensitivity, fusion, threshold head) and the keep rule
+- pruning.inputs: the encoders' per-sample outputs, computed once and cached
+- pruning.artifacts: the trained module and the oracle table on disk
+- pruning.policies: the registry of policies (off, fixed, dtp, oracle) and their selectors
+- pruning.metrics: keep-count and exclusion-ratio summaries
+"""
+
+from pruning.artifacts import (
+    DTP_FILE,
+    ORACLE_FILE,
+    ArtifactError,
+    load_dtp,
+    load_oracle,
+    save_dtp,
+    save_oracle,
+)
+from pruning.encoders import (
+    FrozenEncoders,
+    build_random_encoders,
+    load_encoders,
+    load_pretrained_encoders,
+)
+from pruning.inputs import PruningInputCache
+from pruning.metrics import (
+    ExclusionSummary,
+    KeepCountSummary,
+    sensitivity_exclusion_ratios,
+    summarize_exclusion,
+    summarize_keep_counts,
+)
+from pruning.module import (
+    QPrivVL,
+    QPrivVLOutput,
+    build_qpriv_vl,
+    keep_count,
+    keep_indices,
+)
+from pruning.policies import (
+    KeepAll,
+    PolicyContext,
+    PolicySpec,
+    ScoredSelector,
+    VisualTokenSelector,
+    build_policy,
+    get_policy,
+    policy_names,
+    register_policy,
+)
+from pruning.profiles import (
+    PruningProfile,
+    get_pruning_profile,
+    register_pruning_profile,
+)
+
+__all__ = [
+    "DTP_FILE",
+    "ORACLE_FILE",
+    "ArtifactError",
+    "ExclusionSummary",
+    "FrozenEncoders",
+    "KeepAll",
+    "KeepCountSummary",
+    "PolicyContext",
+    "PolicySpec",
+    "PruningInputCache",
+    "PruningProfile",
+    "QPrivVL",
+    "QPrivVLOutput",
+    "ScoredSelector",
+    "VisualTokenSelector",
+    "build_policy",
+    "build_qpriv_vl",
+    "build_random_encoders",
+    "get_policy",
+    "get_pruning_profile",
+    "keep_count",
+    "keep_indices",
+    "load_dtp",
+    "load_encoders",
+    "load_oracle",
+    "load_pretrained_encoders",
+    "policy_names",
+    "register_policy",
+    "register_pruning_profile",
+    "save_dtp",
+    "save_oracle",
+    "sensitivity_exclusion_ratios",
+    "summarize_exclusion",
+    "summarize_keep_counts",
+]

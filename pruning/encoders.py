@@ -1,0 +1,204 @@
+"""The two frozen encoders QPriv-VL adds to LLaVA: a CLIP text tower and DINOv2.
+
+The CLIP text tower turns a question into one vector (the final-layer-norm state at
+its end-of-text token, which is CLIPTextModel's pooled output); DINOv2 turns an image
+into patch features on its own grid. Neither ever trains.
+
+Real weights (`llava-1.5-7b`: openai/clip-vit-large-patch14-336 and facebook/dinov2-small)
+come from a local folder or the local HF cache and fail in milliseconds when missing,
+like vlm.loading. Profiles without hub ids, and random-weight runs, build seeded random
+towers of the same classes; the random text tower reads the decoder's own tokenizer.
+"""
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch import nn
+from transformers import (
+    AutoTokenizer,
+    BitImageProcessorPil,
+    CLIPTextConfig,
+    CLIPTextModel,
+    Dinov2Config,
+    Dinov2Model,
+    PreTrainedTokenizerBase,
+)
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from pruning.profiles import PruningProfile
+from vlm.loading import (
+    HFImagePreprocessor,
+    ImagePreprocessor,
+    resolve_checkpoint,
+    unavailable,
+)
+
+# Values per parameter that enter the fingerprint: enough to tell checkpoints apart, cheap at 7B size.
+FINGERPRINT_VALUES_PER_TENSOR = 64
+
+
+def dino_image_preprocessor(image_size: int) -> HFImagePreprocessor:
+    """DINOv2's ImageNet normalisation, resized and centre-cropped like CLIP's input.
+
+    DINOv2's own processor crops 224 out of 256, which would make its grid cover less
+    of the image than CLIP's; resizing the short side straight to `image_size` keeps
+    both grids over the same square, so the upsampled sensitivity map lines up.
+    """
+    return HFImagePreprocessor(
+        BitImageProcessorPil(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+            image_mean=IMAGENET_DEFAULT_MEAN,
+            image_std=IMAGENET_DEFAULT_STD,
+        )
+    )
+
+
+def clip_text_config(
+    profile: PruningProfile, *, vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int
+) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        **profile.text,
+        vocab_size=vocab_size,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
+def dino_config(profile: PruningProfile) -> Dinov2Config:
+    return Dinov2Config(**profile.dino)
+
+
+class FrozenEncoders(nn.Module):
+    """Question -> [Dt] vector and image -> [Nd, Dd] DINO patch features, without gradients.
+
+    `fingerprint` identifies the exact encoders (tokenizer vocabulary, weights, DINO
+    input size): cached inputs and trained artefacts record it, so features made by
+    one pair of encoders are never read as if another had made them.
+    """
+
+    def __init__(
+        self,
+        profile: PruningProfile,
+        text_model: CLIPTextModel,
+        tokenizer: PreTrainedTokenizerBase,
+        dino: Dinov2Model,
+        preprocess_images: ImagePreprocessor,
+    ) -> None:
+        super().__init__()
+        for name, size, expected in (
+            ("CLIP text hidden size", text_model.config.hidden_size, profile.text_hidden_size),
+            ("DINOv2 hidden size", dino.config.hidden_size, profile.dino_hidden_size),
+            ("DINOv2 patch size", dino.config.patch_size, profile.dino["patch_size"]),
+        ):
+            if size != expected:
+                raise ValueError(f"{name} is {size}, but pruning profile {profile.name!r} expects {expected}")
+        self.profile = profile
+        self.text_model = text_model.eval().requires_grad_(False)
+        self.dino = dino.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.preprocess_images = preprocess_images
+        self.fingerprint = self._fingerprint()
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @torch.no_grad()
+    def encode_questions(self, questions: Sequence[str]) -> torch.Tensor:
+        """[B, Dt]: each question as <bos> words <eos>, truncated to the tower's positions."""
+        tokenizer, max_length = self.tokenizer, self.text_model.config.max_position_embeddings
+        rows = []
+        for question in questions:
+            words = tokenizer(question, add_special_tokens=False)["input_ids"][: max_length - 2]
+            rows.append([tokenizer.bos_token_id, *words, tokenizer.eos_token_id])
+        lengths = torch.tensor([len(row) for row in rows])
+        input_ids = torch.full((len(rows), int(lengths.max())), tokenizer.pad_token_id, dtype=torch.long)
+        for index, row in enumerate(rows):
+            input_ids[index, : len(row)] = torch.tensor(row)
+        attention_mask = torch.arange(input_ids.shape[1]) < lengths[:, None]
+        device = self._device()
+        hidden = self.text_model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device)
+        ).last_hidden_state
+        # The end-of-text state, located by construction rather than by the config's
+        # eos_token_id (whose legacy value 2 makes CLIP pool at the largest token id).
+        return hidden[torch.arange(len(rows), device=device), (lengths - 1).to(device)]
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """[B, Nd, Dd]: DINOv2's last-layer patch tokens, row-major on its grid (CLS and registers dropped)."""
+        pixel_values = self.preprocess_images(images).to(self._device())
+        hidden = self.dino(pixel_values=pixel_values).last_hidden_state
+        return hidden[:, -self.profile.dino_grid**2 :]
+
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(json.dumps([self.profile.name, self.profile.dino_image_size]).encode())
+        digest.update(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            digest.update(f"{name}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().reshape(-1)[:FINGERPRINT_VALUES_PER_TENSOR].float().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+
+def build_random_encoders(
+    profile: PruningProfile, tokenizer: PreTrainedTokenizerBase, *, seed: int | None = None
+) -> FrozenEncoders:
+    """Seeded random towers of the profile's sizes over `tokenizer`'s vocabulary (default seed: the profile's)."""
+    text_config = clip_text_config(
+        profile,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(profile.encoder_seed if seed is None else seed)
+        text_model = CLIPTextModel(text_config)
+        dino = Dinov2Model(dino_config(profile))
+    return FrozenEncoders(profile, text_model, tokenizer, dino, dino_image_preprocessor(profile.dino_image_size))
+
+
+def load_pretrained_encoders(
+    profile: PruningProfile,
+    *,
+    text_source: str | Path | None = None,
+    dino_source: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> FrozenEncoders:
+    """Real CLIP text tower (+ its tokenizer) and DINOv2 from local folders or the local HF cache."""
+    text_owner = f"the CLIP text tower of pruning profile {profile.name!r}"
+    dino_owner = f"DINOv2 of pruning profile {profile.name!r}"
+    text_path = resolve_checkpoint(text_owner, profile.text_hf_id, text_source, cache_dir, "pruning.text_source")
+    dino_path = resolve_checkpoint(dino_owner, profile.dino_hf_id, dino_source, cache_dir, "pruning.dino_source")
+    try:
+        # A full CLIPModel checkpoint holds the text tower under the keys CLIPTextModel reads.
+        text_model = CLIPTextModel.from_pretrained(text_path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(text_path, local_files_only=True)
+    except OSError as error:
+        raise unavailable(text_owner, profile.text_hf_id, f"loading {text_path} failed ({error})", "pruning.text_source") from error
+    try:
+        dino = Dinov2Model.from_pretrained(dino_path, local_files_only=True)
+    except OSError as error:
+        raise unavailable(dino_owner, profile.dino_hf_id, f"loading {dino_path} failed ({error})", "pruning.dino_source") from error
+    return FrozenEncoders(profile, text_model, tokenizer, dino, dino_image_preprocessor(profile.dino_image_size))
+
+
+def load_encoders(
+    profile: PruningProfile,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    random_weights: bool,
+    text_source: str | Path | None = None,
+    dino_source: str | Path | None = None,
+) -> FrozenEncoders:
+    """The encoders a run uses: real ones where the profile names checkpoints, unless
+    `random_weights` (a random-weight model gets random encoders too)."""
+    if random_weights or profile.text_hf_id is None or profile.dino_hf_id is None:
+        return build_random_encoders(profile, tokenizer)
+    return load_pretrained_encoders(profile, text_source=text_source, dino_source=dino_source)

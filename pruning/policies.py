@@ -1,0 +1,235 @@
+"""Pruning policies: a registry of named ways to choose each sample's visual tokens.
+
+Every policy builds a VisualTokenSelector, which runs on the client between the
+frozen vision tower and the projector and returns, per sample, the ascending indices
+of the patches to keep. The indices never leave the client; only the kept tokens'
+activations do.
+
+- off: keep every patch (ρ = 0), the undefended baseline.
+- fixed: the same ρ for every sample, ranked by QPriv-VL's fused score c. The scorer is
+  the trained module in `pruning.artifacts` when one is given (so fixed ratios and DTP
+  differ only in how many patches they keep), otherwise a seeded untrained module —
+  the kind of fixed random scorer the oracle search uses.
+- dtp: the trained module's own ρ̂ and ranking (artefact `dtp.pt`).
+- oracle: each sample's ρ* from the prepared table (artefact `oracle.pt`), ranked by the
+  scorer that table was searched with.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pruning.artifacts import (
+    DTP_FILE,
+    ORACLE_FILE,
+    ArtifactError,
+    load_dtp,
+    load_oracle,
+)
+from pruning.encoders import FrozenEncoders, load_encoders
+from pruning.inputs import PruningInputCache
+from pruning.module import QPrivVL, QPrivVLOutput, build_qpriv_vl, keep_indices
+from pruning.profiles import PruningProfile, get_pruning_profile
+from vqa import VQASample
+
+
+class VisualTokenSelector(Protocol):
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
+        """features [B, N, Dv] of `samples` -> per-sample ascending keep indices (LongTensor [k_b])."""
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may need to build its selector (plain values: pruning does not read run configs).
+
+    `tokenizer` is the decoder's (random text towers read its vocabulary); `samples` are
+    all the samples the selector will see, whose frozen inputs are encoded up front and
+    kept at `cache_path` when given; `random_encoders` asks for seeded random encoders
+    even where the profile names real checkpoints.
+    """
+
+    profile: str
+    ratio: float = 0.0
+    alpha: float = 1.0
+    beta: float = 1.0
+    seed: int = 0
+    artifacts: Path | None = None
+    random_encoders: bool = False
+    text_source: str | None = None
+    dino_source: str | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    samples: Sequence[VQASample] = ()
+    cache_path: Path | None = None
+    device: str | torch.device = "cpu"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy: how to build it, whether it reads the fixed ratio, and which
+    artefact file (in `pruning.artifacts`) it requires, if any."""
+
+    name: str
+    build: Callable[[PolicyContext], VisualTokenSelector]
+    uses_ratio: bool = False
+    required_artifact: str | None = None
+
+
+_POLICIES: dict[str, PolicySpec] = {}
+
+
+def register_policy(spec: PolicySpec, *, replace: bool = False) -> PolicySpec:
+    if spec.name in _POLICIES and not replace:
+        raise ValueError(f"pruning policy {spec.name!r} is already registered; pass replace=True to redefine it")
+    _POLICIES[spec.name] = spec
+    return spec
+
+
+def policy_names() -> list[str]:
+    return list(_POLICIES)
+
+
+def get_policy(name: str) -> PolicySpec:
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown pruning policy {name!r}; known policies: {', '.join(_POLICIES)}") from None
+
+
+def build_policy(name: str, context: PolicyContext) -> VisualTokenSelector:
+    return get_policy(name).build(context)
+
+
+class KeepAll:
+    """Policy "off": every patch, in order."""
+
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
+        keep = torch.arange(features.shape[1], device=features.device)
+        return [keep for _ in range(features.shape[0])]
+
+
+RatioSource = Callable[[QPrivVLOutput, Sequence[VQASample]], Sequence[float] | torch.Tensor]
+
+
+class FixedRatio:
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    def __call__(self, output: QPrivVLOutput, samples: Sequence[VQASample]) -> list[float]:
+        return [self.ratio] * len(samples)
+
+
+class PredictedRatio:
+    """DTP: the module's own per-sample ρ̂."""
+
+    def __call__(self, output: QPrivVLOutput, samples: Sequence[VQASample]) -> torch.Tensor:
+        return output.ratio
+
+
+class OracleRatio:
+    def __init__(self, ratios: dict[str, float], source: Path) -> None:
+        self.ratios, self.source = ratios, source
+
+    def __call__(self, output: QPrivVLOutput, samples: Sequence[VQASample]) -> list[float]:
+        missing = [sample.id for sample in samples if sample.id not in self.ratios]
+        if missing:
+            raise KeyError(
+                f"the oracle table {self.source} has no ratio for sample ids {missing[:5]} "
+                f"({len(self.ratios)} ids searched); run the oracle on these samples"
+            )
+        return [self.ratios[sample.id] for sample in samples]
+
+
+class ScoredSelector:
+    """Ranks patches by a QPriv-VL module's fused score and keeps each sample's top k,
+    k = max(k_min, round((1 − ρ)·N)) with ρ from `ratios`."""
+
+    def __init__(self, scorer: QPrivVL, inputs: PruningInputCache, ratios: RatioSource) -> None:
+        self.scorer, self.inputs, self.ratios = scorer, inputs, ratios
+
+    @torch.no_grad()
+    def score(self, features: torch.Tensor, samples: Sequence[VQASample]) -> QPrivVLOutput:
+        """The module's forward on a batch (for the selection and for metrics)."""
+        self.inputs.add(samples)
+        parameter = next(self.scorer.parameters())
+        as_scorer = {"device": parameter.device, "dtype": parameter.dtype}
+        return self.scorer(
+            features.to(**as_scorer),
+            self.inputs.question_vectors(samples).to(**as_scorer),
+            self.inputs.dino_patches(samples).to(**as_scorer),
+        )
+
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
+        output = self.score(features, samples)
+        keep = keep_indices(output.score, self.ratios(output, samples), self.scorer.profile.k_min)
+        return [indices.to(features.device) for indices in keep]
+
+
+def _prepared_inputs(profile: PruningProfile, context: PolicyContext) -> tuple[FrozenEncoders, PruningInputCache]:
+    """The frozen encoders' per-sample inputs, loaded from and saved to the cache path."""
+    if context.tokenizer is None:
+        raise ValueError("QPriv-VL policies need the decoder's tokenizer (PolicyContext.tokenizer)")
+    encoders = load_encoders(
+        profile,
+        tokenizer=context.tokenizer,
+        random_weights=context.random_encoders,
+        text_source=context.text_source,
+        dino_source=context.dino_source,
+    ).to(context.device)
+    inputs = PruningInputCache(encoders)
+    if context.cache_path is not None and context.cache_path.exists():
+        inputs.load(context.cache_path)
+    inputs.add(context.samples)
+    if context.cache_path is not None:
+        inputs.save(context.cache_path)
+    return encoders, inputs
+
+
+def _check_artifact(context: PolicyContext, policy: str, file: str) -> Path:
+    """The artefacts folder holding `file`, checked before any encoder loads (fail in milliseconds)."""
+    if context.artifacts is None or not (context.artifacts / file).is_file():
+        raise ArtifactError(
+            f"pruning policy {policy!r} needs {file} in the prepared artefacts folder (pruning.artifacts); "
+            f"got {context.artifacts}"
+        )
+    return context.artifacts
+
+
+def _build_off(context: PolicyContext) -> VisualTokenSelector:
+    return KeepAll()
+
+
+def _build_fixed(context: PolicyContext) -> VisualTokenSelector:
+    profile = get_pruning_profile(context.profile)
+    folder = None if context.artifacts is None else _check_artifact(context, "fixed", DTP_FILE)
+    encoders, inputs = _prepared_inputs(profile, context)
+    if folder is None:
+        scorer = build_qpriv_vl(profile, seed=context.seed, alpha=context.alpha, beta=context.beta).eval()
+    else:
+        scorer = load_dtp(folder, profile, encoders, alpha=context.alpha, beta=context.beta)
+    return ScoredSelector(scorer.to(context.device), inputs, FixedRatio(context.ratio))
+
+
+def _build_dtp(context: PolicyContext) -> VisualTokenSelector:
+    profile = get_pruning_profile(context.profile)
+    folder = _check_artifact(context, "dtp", DTP_FILE)
+    encoders, inputs = _prepared_inputs(profile, context)
+    module = load_dtp(folder, profile, encoders, alpha=context.alpha, beta=context.beta)
+    return ScoredSelector(module.to(context.device), inputs, PredictedRatio())
+
+
+def _build_oracle(context: PolicyContext) -> VisualTokenSelector:
+    profile = get_pruning_profile(context.profile)
+    folder = _check_artifact(context, "oracle", ORACLE_FILE)
+    encoders, inputs = _prepared_inputs(profile, context)
+    scorer, ratios = load_oracle(folder, profile, encoders, alpha=context.alpha, beta=context.beta)
+    return ScoredSelector(scorer.to(context.device), inputs, OracleRatio(ratios, folder / ORACLE_FILE))
+
+
+register_policy(PolicySpec("off", _build_off))
+register_policy(PolicySpec("fixed", _build_fixed, uses_ratio=True))
+register_policy(PolicySpec("dtp", _build_dtp, required_artifact=DTP_FILE))
+register_policy(PolicySpec("oracle", _build_oracle, required_artifact=ORACLE_FILE))

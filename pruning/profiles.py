@@ -1,0 +1,185 @@
+"""QPriv-VL's sizes per model profile: the two frozen encoders and the trained heads.
+
+A pruning profile is registered under the name of the model profile it prunes for
+(vlm.profiles), whose vision tower fixes what QPriv-VL reads: N patches on a square
+CLIP grid of width Dv, and the k_min floor. The paper-size numbers (SPEC §1) come out
+of `llava-1.5-7b`; `mini` and `tiny` carry small random-but-seeded encoders of the same
+classes, with a DINO grid coarser than the CLIP grid so the bilinear upsample is real.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlm.profiles import Profile, get_profile
+
+# The sensitivity summary fed to the threshold head: mean, max, fraction above 0.5.
+SENSITIVITY_SUMMARY_SIZE = 3
+
+
+@dataclass(frozen=True)
+class PruningProfile:
+    """Sizes of QPriv-VL for one model profile.
+
+    `text` and `dino` are keyword arguments for CLIPTextConfig and Dinov2Config; the
+    text vocabulary is not among them because a random tower reads the decoder's
+    tokenizer (its size is only known once that exists). `dino_image_size` is what
+    images are resized to for DINOv2, so its grid is dino_image_size // patch_size.
+    `text_hf_id`/`dino_hf_id` name real checkpoints; a profile without them only ever
+    builds its seeded random encoders (from `encoder_seed`).
+    """
+
+    name: str
+    text: Mapping[str, Any]
+    dino: Mapping[str, Any]
+    dino_image_size: int
+    projection_dim: int
+    sensitivity_hidden: tuple[int, ...]
+    threshold_hidden: tuple[int, ...]
+    text_hf_id: str | None = None
+    dino_hf_id: str | None = None
+    encoder_seed: int = 0
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", dict(self.text))
+        object.__setattr__(self, "dino", dict(self.dino))
+        model = self.model
+        clip_grid = math.isqrt(model.num_patches)
+        if clip_grid**2 != model.num_patches:
+            raise ValueError(f"pruning profile {self.name!r}: N={model.num_patches} CLIP patches are not a square grid")
+        if self.dino_image_size % self.dino["patch_size"] != 0:
+            raise ValueError(
+                f"pruning profile {self.name!r}: dino_image_size={self.dino_image_size} is not a multiple of "
+                f"the DINO patch_size={self.dino['patch_size']}"
+            )
+        if self.dino_grid > clip_grid:
+            raise ValueError(
+                f"pruning profile {self.name!r}: the DINO grid ({self.dino_grid}) must not be finer than the "
+                f"CLIP grid ({clip_grid}); the sensitivity map is upsampled to the CLIP grid"
+            )
+
+    @property
+    def model(self) -> Profile:
+        """The model profile this prunes for (same name)."""
+        return get_profile(self.name)
+
+    @property
+    def num_patches(self) -> int:
+        return self.model.num_patches
+
+    @property
+    def clip_grid(self) -> int:
+        return math.isqrt(self.model.num_patches)
+
+    @property
+    def dino_grid(self) -> int:
+        return self.dino_image_size // self.dino["patch_size"]
+
+    @property
+    def vision_hidden_size(self) -> int:
+        return self.model.vision_hidden_size
+
+    @property
+    def text_hidden_size(self) -> int:
+        return self.text["hidden_size"]
+
+    @property
+    def dino_hidden_size(self) -> int:
+        return self.dino["hidden_size"]
+
+    @property
+    def k_min(self) -> int:
+        return self.model.k_min
+
+    @property
+    def threshold_input_size(self) -> int:
+        """[pooled image; question; sensitivity summary]: 1024 + 768 + 3 = 1795 at 7B."""
+        return self.vision_hidden_size + self.text_hidden_size + SENSITIVITY_SUMMARY_SIZE
+
+
+_PRUNING_PROFILES: dict[str, PruningProfile] = {}
+
+
+def register_pruning_profile(profile: PruningProfile, *, replace: bool = False) -> PruningProfile:
+    """Make a pruning profile available under its model profile's name."""
+    if profile.name in _PRUNING_PROFILES and not replace:
+        raise ValueError(f"pruning profile {profile.name!r} is already registered; pass replace=True to redefine it")
+    _PRUNING_PROFILES[profile.name] = profile
+    return profile
+
+
+def get_pruning_profile(name: str) -> PruningProfile:
+    try:
+        return _PRUNING_PROFILES[name]
+    except KeyError:
+        raise ValueError(
+            f"no pruning profile for model profile {name!r}; known: {sorted(_PRUNING_PROFILES)}"
+        ) from None
+
+
+LLAVA_15_7B = register_pruning_profile(
+    PruningProfile(
+        name="llava-1.5-7b",
+        description="SPEC §1: CLIP ViT-L/14-336 text tower (768), DINOv2 ViT-S/14 at 224 (16×16, 384), P=256",
+        text=dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            projection_dim=768,
+            hidden_act="quick_gelu",
+        ),
+        dino=dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, mlp_ratio=4, image_size=518, patch_size=14),
+        dino_image_size=224,
+        projection_dim=256,
+        sensitivity_hidden=(128, 128),
+        threshold_hidden=(512, 512),
+        text_hf_id="openai/clip-vit-large-patch14-336",
+        dino_hf_id="facebook/dinov2-small",
+    )
+)
+
+MINI = register_pruning_profile(
+    PruningProfile(
+        name="mini",
+        description="Seeded random encoders for the 64×64 mini model: DINO 4×4 grid upsampled to CLIP's 8×8",
+        text=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            projection_dim=64,
+            hidden_act="quick_gelu",
+        ),
+        dino=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=64, patch_size=16),
+        dino_image_size=64,
+        projection_dim=32,
+        sensitivity_hidden=(32, 32),
+        threshold_hidden=(64, 64),
+    )
+)
+
+TINY = register_pruning_profile(
+    PruningProfile(
+        name="tiny",
+        description="Seeded random encoders for tests: DINO 2×2 grid upsampled to CLIP's 4×4",
+        text=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            projection_dim=16,
+            hidden_act="quick_gelu",
+        ),
+        dino=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2, image_size=32, patch_size=16),
+        dino_image_size=32,
+        projection_dim=8,
+        sensitivity_hidden=(8, 8),
+        threshold_hidden=(16, 16),
+    )
+)
