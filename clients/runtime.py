@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from flwr.app import Context
 
+from pruning import VisualTokenSelector
 from sims.schema import SimConfig, load_config
 from training.batches import EncodedSample, encode_samples
 from training.model import PartyModel, load_party_model, make_optimizer
-from training.selector import VisualTokenSelector, build_selector
+from training.selector import build_selector
 from training.store import PrivateStore
 from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
@@ -160,7 +161,13 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         train=train,
         test=test,
         features=features,
-        selector=build_selector(config),
+        selector=build_selector(
+            config,
+            tokenizer=tokenizer,
+            samples=[item.sample for item in [*train, *test]],
+            cache_path=store.path("pruning-inputs.pt"),
+            device=party.device,
+        ),
         store=store,
         owned=owned,
         initial_lora={owner: owner_state_dict(party.model, segment) for owner, segment in owned.items()},

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names
 from wire import WIRE_DTYPES
@@ -26,9 +27,6 @@ PARTITIONS = ("iid", "dirichlet")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_STAGES = ("base", "vqa", "random")
-# The schema names every policy of SPEC §1; only "off" runs until pruning lands.
-PRUNING_POLICIES = ("off", "fixed", "dtp")
-IMPLEMENTED_PRUNING_POLICIES = ("off",)
 # Keys that may change when a run resumes (a longer run, a different timeout).
 RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume")
 
@@ -112,8 +110,20 @@ class WireConfig:
 
 @dataclass
 class PruningConfig:
+    # A registered policy (pruning.policies): off, fixed, dtp, oracle.
     policy: str = "off"
+    # The prune ratio of policy "fixed" (the paper's grid: 0.3, 0.5, 0.7, 0.9).
     ratio: float = 0.0
+    # Fusion c = alpha·u − beta·s; alpha = 0 ranks by privacy alone (the paper's best medical setting).
+    alpha: float = 1.0
+    beta: float = 1.0
+    # The folder "prepare DTP" wrote (dtp.pt, oracle.pt); "": none (fixed then ranks with an untrained scorer).
+    artifacts: str = ""
+    # Seed of that untrained scorer.
+    seed: int = 0
+    # Real encoders (llava-1.5-7b): local folders or hub ids in the HF cache; "": the profile's hub ids.
+    text_source: str = ""
+    dino_source: str = ""
 
 
 @dataclass
@@ -252,14 +262,33 @@ def validate(config: SimConfig) -> None:
     _at_least("eval.batch_size", config.eval.batch_size, 1)
     _at_least("eval.max_new_tokens", config.eval.max_new_tokens, 1)
     _choice("wire.dtype", config.wire.dtype, sorted(WIRE_DTYPES))
-    _choice("pruning.policy", config.pruning.policy, PRUNING_POLICIES)
-    if config.pruning.policy not in IMPLEMENTED_PRUNING_POLICIES:
-        raise ConfigError(
-            "pruning.policy", config.pruning.policy, f"{', '.join(IMPLEMENTED_PRUNING_POLICIES)} (the others are not implemented yet)"
-        )
-    if not 0 <= config.pruning.ratio < 1:
-        raise ConfigError("pruning.ratio", config.pruning.ratio, "a share in [0, 1)")
+    _validate_pruning(config.pruning, profile.name)
     if not config.faults.timeout_s > 0:
         raise ConfigError("faults.timeout_s", config.faults.timeout_s, "> 0 seconds")
     if not config.output.name or "/" in config.output.name:
         raise ConfigError("output.name", config.output.name, "a non-empty folder name without '/'")
+
+
+def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:
+    _choice("pruning.policy", pruning.policy, policy_names())
+    spec = get_policy(pruning.policy)
+    if not 0 <= pruning.ratio < 1:
+        raise ConfigError("pruning.ratio", pruning.ratio, "a share in [0, 1)")
+    if pruning.ratio and not spec.uses_ratio:
+        uses_ratio = [name for name in policy_names() if get_policy(name).uses_ratio]
+        raise ConfigError("pruning.ratio", pruning.ratio, f"0 unless pruning.policy is one of: {', '.join(uses_ratio)}")
+    _at_least("pruning.alpha", pruning.alpha, 0)
+    _at_least("pruning.beta", pruning.beta, 0)
+    if pruning.alpha == pruning.beta == 0:
+        raise ConfigError("pruning.beta", pruning.beta, "> 0 when pruning.alpha=0 (the fused score would be 0 everywhere)")
+    if spec.required_artifact and not pruning.artifacts:
+        raise ConfigError(
+            "pruning.artifacts", pruning.artifacts, f"the folder holding {spec.required_artifact} (policy {pruning.policy})"
+        )
+    # Only a profile with real encoders (hub ids) reads a source.
+    for key, hub_id in (("text_source", "text_hf_id"), ("dino_source", "dino_hf_id")):
+        source = getattr(pruning, key)
+        if source and getattr(get_pruning_profile(profile_name), hub_id) is None:
+            raise ConfigError(
+                f"pruning.{key}", source, f"'' (model.profile={profile_name!r} builds its own seeded encoders)"
+            )

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from training.selector import VisualTokenSelector
+from pruning import VisualTokenSelector
 from vlm.features import VisionFeatureCache
 from vlm.segments import DecoderInputs, merge_multimodal_inputs, project_visual_features
 from vqa import VQASample, build_prompt
@@ -78,7 +78,7 @@ def projected_visual_tokens(
 ) -> tuple[list[torch.Tensor], list[int]]:
     """Each sample's kept visual tokens through the projector, and how many were kept."""
     stacked = features.stack([item.sample for item in batch]).to(device)
-    keep = selector(stacked, [item.sample.question for item in batch])
+    keep = selector(stacked, [item.sample for item in batch])
     dtype = next(model.parameters()).dtype
     visual = [
         project_visual_features(model, stacked[i, indices].unsqueeze(0).to(dtype))[0] for i, indices in enumerate(keep)

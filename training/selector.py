@@ -1,33 +1,47 @@
 """The seam between the frozen vision features and the projector, on the client.
 
-A selector returns, per sample, the indices of the visual tokens to keep. The indices
-stay on the client: only the projected kept tokens, after the head's decoder layers,
-ever cross a cut. QPriv-VL's policies (fixed ratio, DTP) plug in here.
+A selector (pruning.VisualTokenSelector) receives a batch's vision features and its
+samples (image id, question, sample id) and returns, per sample, the indices of the
+visual tokens to keep. The indices stay on the client: only the projected kept
+tokens, after the head's decoder layers, ever cross a cut. The run config's
+`pruning.*` keys pick and parametrise a policy from pruning's registry.
 """
 
 from collections.abc import Sequence
-from typing import Protocol
+from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from pruning import PolicyContext, VisualTokenSelector, build_policy
 from sims.schema import SimConfig
+from vqa import VQASample
 
 
-class VisualTokenSelector(Protocol):
-    def __call__(self, features: torch.Tensor, questions: Sequence[str]) -> list[torch.Tensor]:
-        """features [B, N, Dv] -> per-sample ascending keep indices (LongTensor [k_b])."""
-
-
-class KeepAll:
-    """Policy "off": the undefended baseline keeps every patch."""
-
-    def __call__(self, features: torch.Tensor, questions: Sequence[str]) -> list[torch.Tensor]:
-        keep = torch.arange(features.shape[1], device=features.device)
-        return [keep for _ in range(features.shape[0])]
-
-
-def build_selector(config: SimConfig) -> VisualTokenSelector:
-    # sims.schema refuses the policies that are not implemented, before anything loads.
-    if config.pruning.policy == "off":
-        return KeepAll()
-    raise ValueError(f"pruning.policy={config.pruning.policy!r} has no selector")
+def build_selector(
+    config: SimConfig,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    samples: Sequence[VQASample] = (),
+    cache_path: Path | None = None,
+    device: str | torch.device = "cpu",
+) -> VisualTokenSelector:
+    """The configured policy's selector; `samples` (all this client will see) get their
+    frozen pruning inputs encoded once, kept at `cache_path`."""
+    pruning = config.pruning
+    context = PolicyContext(
+        profile=config.model.profile,
+        ratio=pruning.ratio,
+        alpha=pruning.alpha,
+        beta=pruning.beta,
+        seed=pruning.seed,
+        artifacts=Path(pruning.artifacts).expanduser() if pruning.artifacts else None,
+        random_encoders=config.model.stage == "random",
+        text_source=pruning.text_source or None,
+        dino_source=pruning.dino_source or None,
+        tokenizer=tokenizer,
+        samples=samples,
+        cache_path=cache_path,
+        device=device,
+    )
+    return build_policy(pruning.policy, context)

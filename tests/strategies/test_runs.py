@@ -232,14 +232,14 @@ class KeepFirst:
     def __init__(self, count: int) -> None:
         self.count = count
 
-    def __call__(self, features, questions):
-        return [torch.arange(self.count) for _ in range(features.shape[0])]
+    def __call__(self, features, samples):
+        return [torch.arange(self.count) for _ in samples]
 
 
 def test_a_visual_token_selector_plugs_in_on_the_client(run_config, fake_grid, monkeypatch):
     from clients import runtime as client_runtime_module
 
-    monkeypatch.setattr(client_runtime_module, "build_selector", lambda config: KeepFirst(3))
+    monkeypatch.setattr(client_runtime_module, "build_selector", lambda config, **context: KeepFirst(3))
     raw = run_config(**{"train.steps_per_round": 2, "output.name": "pruned"})
     pruned = metrics(run(fake_grid(client_app, raw, 2), load_config(raw)))[0]
     monkeypatch.undo()
