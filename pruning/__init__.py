@@ -15,6 +15,7 @@ from pruning.artifacts import (
     ArtifactError,
     load_dtp,
     load_oracle,
+    oracle_key,
     save_dtp,
     save_oracle,
 )
@@ -53,6 +54,7 @@ from pruning.policies import (
 from pruning.profiles import (
     PruningProfile,
     get_pruning_profile,
+    pruning_profile_names,
     register_pruning_profile,
 )
 
@@ -83,7 +85,9 @@ __all__ = [
     "load_encoders",
     "load_oracle",
     "load_pretrained_encoders",
+    "oracle_key",
     "policy_names",
+    "pruning_profile_names",
     "register_policy",
     "register_pruning_profile",
     "save_dtp",

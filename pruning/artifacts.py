@@ -1,7 +1,7 @@
 """What "prepare DTP" leaves behind, in one folder (`pruning.artifacts`), and how policies read it.
 
 - `dtp.pt`: the trained QPrivVL module (the student) that the dtp policy runs.
-- `oracle.pt`: the oracle's per-sample prune ratios keyed by sample id, with the fixed
+- `oracle.pt`: the oracle's per-sample prune ratios keyed by `oracle_key`, with the fixed
   scorer they were searched with: an oracle ratio only means something under the
   ranking that found it, so the oracle policy ranks with that very scorer.
 
@@ -19,6 +19,7 @@ import torch
 from pruning.encoders import FrozenEncoders
 from pruning.module import QPrivVL
 from pruning.profiles import PruningProfile
+from vqa import VQASample
 
 DTP_FILE = "dtp.pt"
 ORACLE_FILE = "oracle.pt"
@@ -26,6 +27,13 @@ ORACLE_FILE = "oracle.pt"
 
 class ArtifactError(ValueError):
     """A pruning artefact that is missing or was made for something else."""
+
+
+def oracle_key(sample: VQASample) -> str:
+    """A sample's key in the oracle table: dataset/split/id, because sample ids are only
+    unique within one split (easy-VQA's are row numbers), and one preparation searches
+    several datasets and both a training and an evaluation split."""
+    return f"{sample.dataset}/{sample.split}/{sample.id}"
 
 
 def _record(module: QPrivVL, encoders: FrozenEncoders) -> dict[str, Any]:
@@ -79,7 +87,7 @@ def load_dtp(
 def save_oracle(
     folder: str | Path, ratios: Mapping[str, float], scorer: QPrivVL, encoders: FrozenEncoders
 ) -> Path:
-    """Write the oracle's ratios (sample id -> ρ* in [0, 1]) and their scorer to `folder`/oracle.pt."""
+    """Write the oracle's ratios (`oracle_key` -> ρ* in [0, 1]) and their scorer to `folder`/oracle.pt."""
     outside = {sample_id: ratio for sample_id, ratio in ratios.items() if not 0 <= ratio <= 1}
     if outside:
         raise ValueError(f"oracle ratios must lie in [0, 1]; got {dict(list(outside.items())[:5])}")
@@ -92,6 +100,6 @@ def save_oracle(
 def load_oracle(
     folder: str | Path, profile: PruningProfile, encoders: FrozenEncoders, *, alpha: float, beta: float
 ) -> tuple[QPrivVL, dict[str, float]]:
-    """The oracle's scorer (frozen) and its ratios by sample id, from `folder`/oracle.pt."""
+    """The oracle's scorer (frozen) and its ratios by `oracle_key`, from `folder`/oracle.pt."""
     scorer, record = _load_module(Path(folder) / ORACLE_FILE, profile, encoders, alpha, beta)
     return scorer, record["ratios"]

@@ -29,6 +29,7 @@ from pruning.artifacts import (
     ArtifactError,
     load_dtp,
     load_oracle,
+    oracle_key,
 )
 from pruning.encoders import FrozenEncoders, load_encoders
 from pruning.inputs import PruningInputCache
@@ -134,13 +135,14 @@ class OracleRatio:
         self.ratios, self.source = ratios, source
 
     def __call__(self, output: QPrivVLOutput, samples: Sequence[VQASample]) -> list[float]:
-        missing = [sample.id for sample in samples if sample.id not in self.ratios]
+        keys = [oracle_key(sample) for sample in samples]
+        missing = [key for key in keys if key not in self.ratios]
         if missing:
             raise KeyError(
-                f"the oracle table {self.source} has no ratio for sample ids {missing[:5]} "
-                f"({len(self.ratios)} ids searched); run the oracle on these samples"
+                f"the oracle table {self.source} has no ratio for samples {missing[:5]} "
+                f"({len(self.ratios)} samples searched); run the oracle on these samples"
             )
-        return [self.ratios[sample.id] for sample in samples]
+        return [self.ratios[key] for key in keys]
 
 
 class ScoredSelector:

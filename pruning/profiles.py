@@ -110,6 +110,10 @@ def register_pruning_profile(profile: PruningProfile, *, replace: bool = False) 
     return profile
 
 
+def pruning_profile_names() -> list[str]:
+    return sorted(_PRUNING_PROFILES)
+
+
 def get_pruning_profile(name: str) -> PruningProfile:
     try:
         return _PRUNING_PROFILES[name]

@@ -16,6 +16,7 @@ from pruning import (
     build_qpriv_vl,
     keep_count,
     load_dtp,
+    oracle_key,
     policy_names,
     register_policy,
     save_dtp,
@@ -31,7 +32,7 @@ POLICIES = [("off", None), *[("fixed", ratio) for ratio in PAPER_GRID], ("dtp", 
 
 def oracle_ratios(samples) -> dict[str, float]:
     """A different ratio per sample, including 1.0 (the oracle's "no ratio kept the answer")."""
-    return {sample.id: min(1.0, 0.1 * (index % 11)) for index, sample in enumerate(samples)}
+    return {oracle_key(sample): min(1.0, 0.1 * (index % 11)) for index, sample in enumerate(samples)}
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_every_policy_keeps_ascending_indices_as_many_as_its_ratio_says(policy, 
         counts = [keep_count(float(rho), profile.num_patches, profile.k_min) for rho in predicted]
     else:
         table = oracle_ratios(samples)
-        counts = [keep_count(table[sample.id], profile.num_patches, profile.k_min) for sample in batch]
+        counts = [keep_count(table[oracle_key(sample)], profile.num_patches, profile.k_min) for sample in batch]
     assert [len(indices) for indices in keep] == counts
     for indices in keep:
         assert indices.dtype == torch.long and indices.device == features.device
@@ -95,7 +96,7 @@ def test_the_fixed_papers_grid_keeps_fewer_tokens_as_the_ratio_grows(context, pr
 
 def test_the_oracle_keeps_k_min_where_no_ratio_kept_the_answer(context, profile, samples):
     table = oracle_ratios(samples)
-    hopeless = [sample for sample in samples if table[sample.id] == 1.0]
+    hopeless = [sample for sample in samples if table[oracle_key(sample)] == 1.0]
     assert hopeless
     keep = build_policy("oracle", context())(features_for(profile, len(hopeless)), hopeless)
     assert {len(indices) for indices in keep} == {profile.k_min}
@@ -175,7 +176,7 @@ def test_artefacts_made_for_other_settings_are_refused(policy, overrides, field,
 def test_the_oracle_names_samples_it_has_no_ratio_for(context, profile, samples):
     stranger = replace(samples[0], id="never-searched")
     selector = build_policy("oracle", context())
-    with pytest.raises(KeyError, match="no ratio for sample ids \\['never-searched'\\]"):
+    with pytest.raises(KeyError, match="no ratio for samples \\['easyvqa/train/never-searched'\\]"):
         selector(features_for(profile, 1), [stranger])
 
 
