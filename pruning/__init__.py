@@ -7,6 +7,7 @@
 - pruning.artifacts: the trained module and the oracle table on disk
 - pruning.policies: the registry of policies (off, fixed, dtp, oracle) and their selectors
 - pruning.metrics: keep-count and exclusion-ratio summaries
+- pruning.prepare: "prepare DTP" (oracle, teacher, student) into an artefacts folder; `qpriv-prune prepare`
 """
 
 from pruning.artifacts import (

@@ -1,0 +1,110 @@
+"""`qpriv-prune`: prepare the DTP artefacts (oracle table, trained module) into a folder."""
+
+import argparse
+import json
+from pathlib import Path
+
+from pruning.prepare import PrepareError, PrepareSettings, prepare_dtp
+
+DEFAULTS = PrepareSettings()
+
+
+def _source(text: str) -> tuple[str, str]:
+    name, separator, location = text.partition("=")
+    if not separator or not name or not location:
+        raise argparse.ArgumentTypeError(f"--source {text!r}: expected NAME=PATH_OR_HUB_ID")
+    return name, location
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qpriv-prune", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser(
+        "prepare",
+        help="oracle grid search -> teacher (H_sens by MIL, MLPτ) -> distilled student; resumable",
+        description="Each finished stage is cached in OUT/stages and skipped on a rerun with the same settings. "
+        "OUT receives oracle.pt and dtp.pt (point a run's pruning.artifacts at it) and prepare.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    prepare.add_argument("--out", type=Path, required=True, help="artefacts folder (one per alpha/beta setting)")
+    prepare.add_argument("--profile", default=DEFAULTS.profile)
+    prepare.add_argument(
+        "--model-stage",
+        default=DEFAULTS.model_stage,
+        help="vqa: the trained VQA model answers; random: seeded random weights",
+    )
+    prepare.add_argument(
+        "--dataset",
+        dest="datasets",
+        nargs="+",
+        metavar="NAME",
+        default=list(DEFAULTS.datasets),
+        help="VQA datasets (training split + last split held out)",
+    )
+    prepare.add_argument(
+        "--bags", nargs="+", metavar="NAME", default=list(DEFAULTS.bags), help="privacy bag sets for the H_sens teacher"
+    )
+    prepare.add_argument(
+        "--source",
+        dest="sources",
+        type=_source,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a local copy (or cached hub id) for a dataset or bag set; repeatable",
+    )
+    prepare.add_argument(
+        "--alpha", type=float, default=DEFAULTS.alpha, help="fusion weight of relevance (0: privacy only)"
+    )
+    prepare.add_argument("--beta", type=float, default=DEFAULTS.beta, help="fusion weight of sensitivity")
+    prepare.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    prepare.add_argument("--samples", type=int, default=DEFAULTS.samples, help="training samples per dataset")
+    prepare.add_argument(
+        "--oracle-samples",
+        type=int,
+        default=DEFAULTS.oracle_samples,
+        help="oracle-labelled training samples per dataset",
+    )
+    prepare.add_argument(
+        "--eval-oracle-samples",
+        type=int,
+        default=DEFAULTS.eval_oracle_samples,
+        help="held-out oracle samples per dataset, from its evaluation split (0: none)",
+    )
+    prepare.add_argument("--bag-samples", type=int, default=DEFAULTS.bag_samples, help="images per bag set and split")
+    prepare.add_argument("--grid", type=float, nargs="+", default=list(DEFAULTS.grid), help="oracle prune ratios")
+    prepare.add_argument(
+        "--direction", default=DEFAULTS.direction, help="smallest (paper) or largest still-correct ratio"
+    )
+    prepare.add_argument("--sensitivity-epochs", type=int, default=DEFAULTS.sensitivity_epochs)
+    prepare.add_argument("--threshold-epochs", type=int, default=DEFAULTS.threshold_epochs)
+    prepare.add_argument("--student-epochs", type=int, default=DEFAULTS.student_epochs)
+    prepare.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    prepare.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size)
+    prepare.add_argument("--lambda-ratio", type=float, default=DEFAULTS.lambda_ratio)
+    prepare.add_argument("--lambda-mask", type=float, default=DEFAULTS.lambda_mask)
+    prepare.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    out, quiet = args.pop("out"), args.pop("quiet")
+    args.pop("command")
+    args["sources"] = dict(args["sources"])
+    try:
+        settings = PrepareSettings(**args)
+    except PrepareError as error:
+        parser.error(str(error))
+    report = prepare_dtp(settings, out, progress=not quiet)
+    summary = {
+        stage: {name: value for name, value in entry.items() if name != "epoch_losses"}
+        for stage, entry in report["stages"].items()
+    }
+    print(json.dumps(summary, indent=2))
+    print(f"prepared in {report['seconds']:.1f} s; artefacts and report in {out}")
+
+
+if __name__ == "__main__":
+    main()
