@@ -1,0 +1,110 @@
+"""The one interface every attack implements, and the registry that names them.
+
+An attack is built from the attacker's knowledge (attacks.knowledge) and its own
+options, trained offline on public data (`fit`), then run on what the server
+recorded (`run`). Its result holds metrics — only when a `Truth` is given, since
+scoring needs the victims' real inputs, which the attacker never has — and its raw
+outputs (reconstructed images, recovered tokens) for inspection.
+
+Each attack module ends with `register_attack(TheAttack)`; the replay command and
+`build_attack` find attacks by name only through this registry.
+"""
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from attacks.knowledge import AttackerKnowledge
+from attacks.recording import RecordedTransfer, Recording
+from vqa import VQASample
+
+
+class Truth(Protocol):
+    """The victims' side of a recording, for scoring only."""
+
+    def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
+        """The samples behind a recorded transfer, in its order (None: not known)."""
+
+    def keep_sets(self, entry: RecordedTransfer) -> list[torch.Tensor] | None:
+        """Per sample, the patch indices the client sent, in the order it sent them (None: not known)."""
+
+    def membership(self) -> tuple[list[VQASample], list[VQASample]]:
+        """Candidates for membership inference: (members, non-members)."""
+
+
+@dataclass
+class AttackResult:
+    """Headline metrics (with their trivial baselines), settings and per-item details, raw outputs."""
+
+    attack: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def save(self, folder: str | Path) -> Path:
+        """`<folder>/<attack>.json` (metrics, details) and `<attack>.safetensors` (outputs)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{self.attack}.json"
+        path.write_text(json.dumps({"attack": self.attack, "metrics": self.metrics, "details": self.details},
+                                   indent=2, sort_keys=True, default=str))
+        if self.outputs:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.outputs.items()},
+                      str(folder / f"{self.attack}.safetensors"))
+        return path
+
+
+class Attack(ABC):
+    """Subclasses set `name`, `threat_model` and `Options` (a dataclass of their settings)."""
+
+    name: ClassVar[str]
+    # "passive" (honest-but-curious server), "active" (the server deviates), "query" (black-box model access).
+    threat_model: ClassVar[str]
+    Options: ClassVar[type]
+
+    def __init__(self, knowledge: AttackerKnowledge, **options: Any) -> None:
+        allowed = {f.name for f in fields(self.Options)}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise TypeError(f"{self.name}: unknown options {unknown}; allowed: {sorted(allowed)}")
+        self.knowledge = knowledge
+        self.options = self.Options(**options)
+
+    @abstractmethod
+    def fit(self, aux: Sequence[VQASample]) -> "Attack":
+        """Train what does not depend on the observations, on public (auxiliary) samples."""
+
+    @abstractmethod
+    def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
+        """Attack what the recording holds; score against `truth` when given."""
+
+
+_ATTACKS: dict[str, type[Attack]] = {}
+
+
+def register_attack(attack: type[Attack], *, replace: bool = False) -> type[Attack]:
+    if attack.name in _ATTACKS and not replace:
+        raise ValueError(f"an attack named {attack.name!r} is already registered; pass replace=True")
+    _ATTACKS[attack.name] = attack
+    return attack
+
+
+def attack_class(name: str) -> type[Attack]:
+    try:
+        return _ATTACKS[name]
+    except KeyError:
+        raise ValueError(f"no attack named {name!r}; registered: {available_attacks()}") from None
+
+
+def available_attacks() -> list[str]:
+    return sorted(_ATTACKS)
+
+
+def build_attack(name: str, knowledge: AttackerKnowledge, **options: Any) -> Attack:
+    return attack_class(name)(knowledge, **options)

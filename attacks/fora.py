@@ -1,0 +1,168 @@
+"""FORA (Xu et al., CVPR 2024): a passive server inverts the client's smashed data.
+
+1. Substitute client: the attacker's copy of the public front, whose adapters in
+   front of the cut are trained so that its visual rows on auxiliary images follow
+   the distribution of the rows the server observed — multi-kernel MMD plus a
+   discriminator, as in the paper, both over whole feature maps.
+2. Inverse network: a `GridDecoder` trained on (substitute rows, auxiliary image).
+3. Inversion: the decoder applied to the observed rows.
+
+Pruned runs send k_b < N rows whose patches the server does not know: the attacker
+simulates random keep sets of the observed sizes on its auxiliary data, spreads each
+in-order set evenly over the grid, and lets the decoder learn from that.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.knowledge import visual_rows
+from attacks.metrics import image_metrics, mean_image_baseline
+from attacks.networks import (
+    GridDecoder,
+    GridDiscriminator,
+    adam_steps,
+    mk_mmd,
+    place_on_grid,
+    seeded,
+    spread_slots,
+)
+from attacks.observations import VisualSpans, pruned, true_images, visual_observations
+from attacks.recording import Recording
+from vqa import VQASample
+
+
+@dataclass
+class FORAOptions:
+    substitute_steps: int = 500
+    substitute_lr: float = 1e-3
+    mmd_weight: float = 1.0
+    adversarial_weight: float = 0.1
+    decoder_steps: int = 2000
+    decoder_lr: float = 1e-3
+    decoder_width: int = 128
+    # Gaussian noise on the decoder's training inputs, relative to the rows' standard deviation.
+    decoder_noise: float = 0.3
+    batch_size: int = 32
+    seed: int = 0
+    progress: bool = True
+
+
+class FORA(Attack):
+    name = "fora"
+    threat_model = "passive"
+    Options = FORAOptions
+
+    def fit(self, aux: Sequence[VQASample]) -> "FORA":
+        """Keeps the auxiliary images and their frozen vision features (FORA trains on the observations)."""
+        k = self.knowledge
+        self.aux = list(aux)
+        pixels = k.pixel_values(self.aux)
+        self.aux_images = k.unit_images(pixels)
+        self.aux_features = k.features(pixels)
+        return self
+
+    # -- the attack on rows, usable without a recording -----------------------------------
+    def reconstruct(self, observed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Images [n, 3, H, W] from observed visual row sets [k_b, D]."""
+        if not hasattr(self, "aux_features"):
+            raise RuntimeError("FORA.fit(aux) must run before reconstruct")
+        observed = [rows.float() for rows in observed]
+        counts = [rows.shape[0] for rows in observed]
+        substitute = self.fit_substitute(observed, counts)
+        decoder = self.train_inverse_network(substitute, counts)
+        with torch.no_grad():
+            grid = self._grid(observed)
+            return torch.cat([decoder(grid[i : i + 256]) for i in range(0, grid.shape[0], 256)])
+
+    def _aux_keep(self, counts: Sequence[int], generator: torch.Generator, size: int) -> list[torch.Tensor]:
+        """Random in-order keep sets whose sizes follow the observed counts."""
+        n = self.knowledge.num_patches
+        chosen = torch.randint(len(counts), (size,), generator=generator)
+        return [torch.randperm(n, generator=generator)[: counts[int(i)]].sort().values for i in chosen]
+
+    def _grid(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        n = self.knowledge.num_patches
+        return place_on_grid(list(rows), [spread_slots(r.shape[0], n) for r in rows], n)
+
+    def fit_substitute(self, observed: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.nn.Module:
+        """The public front, its adapters fitted so that whole samples' rows (on the grid) match the
+        observed ones in distribution: MK-MMD plus a discriminator, both over whole feature maps
+        (per-row matching lets a substitute reproduce the rows' marginal with the wrong image)."""
+        k, o = self.knowledge, self.options
+        substitute = k.trainable_front()
+        with seeded(o.seed):
+            discriminator = GridDiscriminator(k.hidden_size, k.grid)
+        observed_grid = self._grid(observed)
+        generator = torch.Generator().manual_seed(o.seed)
+        params = [p for p in substitute.parameters() if p.requires_grad]
+        sub_opt = torch.optim.Adam(params, lr=o.substitute_lr)
+        disc_opt = torch.optim.Adam(discriminator.parameters(), lr=o.substitute_lr)
+        size = min(o.batch_size, len(self.aux), len(observed))
+        for _ in tqdm(range(o.substitute_steps), desc="FORA substitute", disable=not o.progress):
+            batch = torch.randint(len(self.aux), (size,), generator=generator)
+            keep = self._aux_keep(counts, generator, size)
+            fake = self._grid(visual_rows(substitute, self.aux_features[batch], k.prefix_ids, k.first_cut, keep))
+            real = observed_grid[torch.randint(len(observed), (size,), generator=generator)]
+            # The discriminator learns observed (1) vs substitute (0); the substitute learns to fool it.
+            disc_loss = F.binary_cross_entropy_with_logits(discriminator(real), torch.ones(size)) + \
+                F.binary_cross_entropy_with_logits(discriminator(fake.detach()), torch.zeros(size))
+            disc_opt.zero_grad(set_to_none=True)
+            disc_loss.backward()
+            disc_opt.step()
+            sub_loss = o.mmd_weight * mk_mmd(fake.flatten(1), real.flatten(1)) + o.adversarial_weight * \
+                F.binary_cross_entropy_with_logits(discriminator(fake), torch.ones(size))
+            sub_opt.zero_grad(set_to_none=True)
+            sub_loss.backward()
+            sub_opt.step()
+        return substitute.requires_grad_(False)
+
+    def train_inverse_network(self, substitute: torch.nn.Module, counts: Sequence[int]) -> GridDecoder:
+        k, o = self.knowledge, self.options
+        generator = torch.Generator().manual_seed(o.seed + 1)
+        with torch.no_grad():
+            keep = self._aux_keep(counts, generator, len(self.aux))
+            grid = self._grid(visual_rows(substitute, self.aux_features, k.prefix_ids, k.first_cut, keep))
+        with seeded(o.seed):
+            decoder = GridDecoder(k.hidden_size, k.grid, k.image_size, o.decoder_width)
+        bar = tqdm(total=o.decoder_steps, desc="FORA inverse network", disable=not o.progress)
+        # Noise on the inputs keeps the decoder from relying on the substitute's exact rows, which
+        # the victim's only approximate.
+        scale = o.decoder_noise * grid.std()
+
+        def loss(batch: torch.Tensor) -> torch.Tensor:
+            noisy = grid[batch] + scale * torch.randn(grid[batch].shape, generator=generator)
+            return F.mse_loss(decoder(noisy), self.aux_images[batch])
+
+        adam_steps(decoder.parameters(), loss, len(self.aux),
+            steps=o.decoder_steps, lr=o.decoder_lr, batch_size=o.batch_size, seed=o.seed, progress=bar.update)
+        bar.close()
+        return decoder.eval()
+
+    # -- the attack on a recording ---------------------------------------------------------
+    def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
+        k = self.knowledge
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        observations = visual_observations(recording, k, attack=self.name, spans=spans)
+        images = self.reconstruct([obs.rows for obs in observations])
+        result = AttackResult(
+            self.name,
+            details={"observed_samples": len(observations),
+                     "mean_kept_tokens": sum(obs.rows.shape[0] for obs in observations) / len(observations)},
+            outputs={"reconstructions": images},
+        )
+        if truth is not None:
+            targets, known = true_images(observations, k, truth)
+            if targets is not None:
+                result.metrics.update(image_metrics(images[known], targets))
+                baseline = mean_image_baseline(self.aux_images, targets)
+                result.metrics.update({f"baseline_{name}": value for name, value in baseline.items()})
+                result.outputs["targets"] = targets
+        return result
+
+
+register_attack(FORA)

@@ -1,0 +1,223 @@
+"""FSHA (Pasquini et al., CCS 2021): a malicious server hijacks the client's training.
+
+The server keeps three networks of its own:
+- a pilot f̃ (the attacker's copy of the public front, its adapters trainable) and a
+  decoder f̃⁻¹ (`GridDecoder`), trained together as an autoencoder on public images,
+  so that the decoder inverts the pilot's feature space;
+- a discriminator D (`GridDiscriminator`, over whole feature maps), trained with the Wasserstein loss and
+  gradient penalty (the paper's choice) to tell the pilot's rows from the client's.
+
+Instead of its legitimate gradient the server returns ∂(−D(client rows))/∂rows, so the
+client's own optimiser moves its front into the pilot's feature space — where the
+decoder inverts it. `server_step` is one such exchange (the hook an active strategy
+calls with each received activation); `simulate_hijack` plays the client's side
+offline; `run` decodes the activations a hijacked run recorded, with the server state
+it saved (`save_state` / `load_state`).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.knowledge import split_packed, visual_rows
+from attacks.metrics import image_metrics, mean_image_baseline
+from attacks.networks import (
+    GridDecoder,
+    GridDiscriminator,
+    place_on_grid,
+    seeded,
+    spread_slots,
+)
+from attacks.observations import VisualSpans, pruned, true_images, visual_observations
+from attacks.recording import Recording
+from vqa import VQASample
+
+STATE_FILE = "fsha.pt"
+
+
+@dataclass
+class FSHAOptions:
+    # Autoencoder steps on public data before the first hijacked exchange.
+    pretrain_steps: int = 500
+    lr: float = 1e-3
+    discriminator_lr: float = 1e-3
+    gradient_penalty: float = 10.0
+    # Discriminator updates per hijacked exchange (WGAN's n_critic); the autoencoder takes one.
+    discriminator_steps: int = 1
+    decoder_width: int = 128
+    batch_size: int = 32
+    # Rounds of the recording to decode: the last ones, after the hijack took hold; 0: all.
+    last_rounds: int = 1
+    seed: int = 0
+    progress: bool = True
+
+
+class FSHA(Attack):
+    name = "fsha"
+    threat_model = "active"
+    Options = FSHAOptions
+
+    def fit(self, aux: Sequence[VQASample]) -> "FSHA":
+        """Build the server's networks and pre-train pilot and decoder as an autoencoder on `aux`."""
+        k, o = self.knowledge, self.options
+        self.aux = list(aux)
+        pixels = k.pixel_values(self.aux)
+        self.aux_images = k.unit_images(pixels)
+        self.aux_features = k.features(pixels)
+        self.pilot = k.trainable_front()
+        with seeded(o.seed):
+            self.decoder = GridDecoder(k.hidden_size, k.grid, k.image_size, o.decoder_width)
+            self.discriminator = GridDiscriminator(k.hidden_size, k.grid)
+        self.autoencoder_optimizer = torch.optim.Adam(
+            [*(p for p in self.pilot.parameters() if p.requires_grad), *self.decoder.parameters()], lr=o.lr
+        )
+        self.discriminator_optimizer = torch.optim.Adam(
+            self.discriminator.parameters(), lr=o.discriminator_lr, betas=(0.5, 0.9)
+        )
+        self.generator = torch.Generator().manual_seed(o.seed)
+        for _ in tqdm(range(o.pretrain_steps), desc="FSHA pilot/decoder", disable=not o.progress):
+            self._autoencoder_step()
+        return self
+
+    # -- the server's side of one hijacked exchange ---------------------------------------
+    def _aux_batch(self) -> torch.Tensor:
+        return torch.randint(len(self.aux), (min(self.options.batch_size, len(self.aux)),), generator=self.generator)
+
+    def _pilot_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        k = self.knowledge
+        return torch.stack(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut))
+
+    def _autoencoder_step(self) -> float:
+        self.decoder.train()
+        batch = self._aux_batch()
+        loss = F.mse_loss(self.decoder(self._pilot_rows(batch)), self.aux_images[batch])
+        self.autoencoder_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.autoencoder_optimizer.step()
+        return loss.item()
+
+    def _grid(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        n = self.knowledge.num_patches
+        return place_on_grid(list(rows), [spread_slots(r.shape[0], n) for r in rows], n)
+
+    def _discriminator_step(self, client_grid: torch.Tensor) -> float:
+        with torch.no_grad():
+            pilot_grid = self._pilot_rows(self._aux_batch())
+        count = min(pilot_grid.shape[0], client_grid.shape[0])
+        real, fake = pilot_grid[:count], client_grid[:count]
+        # WGAN-GP: the pilot's rows score high, the client's low; the penalty keeps D 1-Lipschitz.
+        mix = torch.rand(count, 1, 1)
+        between = (mix * real + (1 - mix) * fake).requires_grad_()
+        slope = torch.autograd.grad(self.discriminator(between).sum(), between, create_graph=True)[0]
+        penalty = ((slope.flatten(1).norm(dim=-1) - 1) ** 2).mean()
+        loss = self.discriminator(fake).mean() - self.discriminator(real).mean() + \
+            self.options.gradient_penalty * penalty
+        self.discriminator_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.discriminator_optimizer.step()
+        return loss.item()
+
+    def server_step(self, client_rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One hijacked exchange: update the server's networks, return the gradient for each row set.
+
+        `client_rows` are the visual rows [k_b, D] the client sent; the returned
+        tensors (same shapes) replace the legitimate gradient at the cut.
+        """
+        if not hasattr(self, "pilot"):
+            raise RuntimeError("FSHA.fit(aux) must run before the hijack")
+        rows = [r.detach().float().requires_grad_() for r in client_rows]
+        self._autoencoder_step()
+        for _ in range(self.options.discriminator_steps):
+            self._discriminator_step(self._grid(rows).detach())
+        (-self.discriminator(self._grid(rows)).mean()).backward()
+        return [r.grad for r in rows]
+
+    def gradients_for_packed(self, rows: torch.Tensor, lengths: torch.Tensor, spans: VisualSpans | None = None
+                             ) -> torch.Tensor:
+        """`server_step` on a packed activation as the wire carries it: the gradient for every
+        row, FSHA's on the visual rows and zero on the text rows (what the server sends back)."""
+        prefix = self.knowledge.prefix_ids.numel()
+        samples = split_packed(rows, lengths)
+        counts = [self.knowledge.num_patches if spans is None else spans.count(s) for s in samples]
+        visual = self.server_step([s[prefix : prefix + c] for s, c in zip(samples, counts, strict=True)])
+        out = [torch.zeros_like(s, dtype=torch.float32) for s in samples]
+        for grad, v, c in zip(out, visual, counts, strict=True):
+            grad[prefix : prefix + c] = v
+        return torch.cat(out).to(rows.dtype)
+
+    # -- offline: play the client's side ---------------------------------------------------
+    def simulate_hijack(
+        self, client_front: nn.Module, private: Sequence[VQASample], *, steps: int, client_lr: float = 1e-3
+    ) -> nn.Module:
+        """Train `client_front`'s trainable parameters with the gradients `server_step` returns
+        (the client believes they are its task's) on batches of its private samples."""
+        k, o = self.knowledge, self.options
+        features = k.features(k.pixel_values(list(private)))
+        parameters = [p for p in client_front.parameters() if p.requires_grad]
+        if not parameters:
+            raise ValueError("the client front has no trainable parameters: nothing can be hijacked")
+        optimizer = torch.optim.AdamW(parameters, lr=client_lr)
+        generator = torch.Generator().manual_seed(o.seed + 1)
+        for _ in tqdm(range(steps), desc="FSHA hijack", disable=not o.progress):
+            batch = torch.randint(features.shape[0], (min(o.batch_size, features.shape[0]),), generator=generator)
+            rows = visual_rows(client_front, features[batch], k.prefix_ids, k.first_cut)
+            grads = self.server_step(rows)
+            optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(rows, grads)
+            optimizer.step()
+        return client_front
+
+    # -- inversion -------------------------------------------------------------------------
+    @torch.no_grad()
+    def reconstruct(self, observed: Sequence[torch.Tensor]) -> torch.Tensor:
+        n = self.knowledge.num_patches
+        self.decoder.eval()
+        grid = place_on_grid([r.float() for r in observed], [spread_slots(r.shape[0], n) for r in observed], n)
+        return torch.cat([self.decoder(grid[i : i + 256]) for i in range(0, grid.shape[0], 256)])
+
+    def save_state(self, path: str | Path) -> None:
+        """The server's networks after a hijacked run, for `run` to decode its recording later."""
+        trainable = {n: p.detach() for n, p in self.pilot.named_parameters() if p.requires_grad}
+        torch.save({"pilot": trainable, "decoder": self.decoder.state_dict(),
+                    "discriminator": self.discriminator.state_dict()}, path)
+
+    def load_state(self, path: str | Path) -> "FSHA":
+        """Restore `save_state`'s networks (after `fit`, which builds them)."""
+        if not hasattr(self, "pilot"):
+            raise RuntimeError("FSHA.fit(aux) must run before load_state (it builds the networks)")
+        state = torch.load(path, weights_only=True)
+        parameters = dict(self.pilot.named_parameters())
+        with torch.no_grad():
+            for name, value in state["pilot"].items():
+                parameters[name].copy_(value)
+        self.decoder.load_state_dict(state["decoder"])
+        self.discriminator.load_state_dict(state["discriminator"])
+        return self
+
+    def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
+        k, o = self.knowledge, self.options
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        observations = visual_observations(recording, k, attack=self.name, spans=spans)
+        if o.last_rounds:
+            last = max(obs.entry.round for obs in observations)
+            observations = [obs for obs in observations if obs.entry.round > last - o.last_rounds]
+        images = self.reconstruct([obs.rows for obs in observations])
+        result = AttackResult(self.name, details={"observed_samples": len(observations)},
+                              outputs={"reconstructions": images})
+        if truth is not None:
+            targets, known = true_images(observations, k, truth)
+            if targets is not None:
+                result.metrics.update(image_metrics(images[known], targets))
+                baseline = mean_image_baseline(self.aux_images, targets)
+                result.metrics.update({f"baseline_{name}": value for name, value in baseline.items()})
+                result.outputs["targets"] = targets
+        return result
+
+
+register_attack(FSHA)

@@ -1,0 +1,207 @@
+"""Membership inference with shadow models (Shokri et al., S&P 2017), and its attribute-inference variant.
+
+The attacker queries the fine-tuned model as a black box: for a (image, question,
+answer) record it reads the model's confidences on the answer (teacher-forced):
+the sorted top probabilities at the first answer position, the probability of the
+true first token, the mean log-likelihood of the answer tokens and the entropy —
+Shokri's prediction vector, summarised so that one attack model serves every answer
+(his per-class attack models would need a class per answer word).
+
+Shadow models copy the victims' recipe (the public base, LoRA, AdamW at the run's
+learning rate) on disjoint halves of the auxiliary data; the attack model
+(scikit-learn's logistic regression) learns in/out from their confidences and is applied to the target's.
+
+Attribute inference: for a record whose answer (the sensitive attribute, e.g. the
+shape's colour) is unknown, every candidate answer of that question kind is scored
+by the attack model, and the most "member-like" one is the guess; the trivial
+attacker guesses the most common auxiliary answer of that kind.
+"""
+
+import copy
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from tqdm.auto import tqdm
+
+from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.knowledge import AttackerKnowledge
+from attacks.metrics import membership_metrics
+from attacks.recording import Recording
+from vlm.lora import lora_parameters
+from vlm.segments import (
+    merge_multimodal_inputs,
+    next_token_loss,
+    project_visual_features,
+    run_decoder_layers,
+)
+from vqa import VQASample
+
+
+@dataclass
+class MIAOptions:
+    shadows: int = 4
+    # Records each shadow trains on; as many auxiliary records stay out of it.
+    shadow_records: int = 256
+    shadow_steps: int = 500
+    shadow_lr: float = 1e-3
+    batch_size: int = 8
+    # Members and non-members (each) drawn from the truth's candidates.
+    candidates: int = 256
+    # Member records whose answer is inferred (0: no attribute inference).
+    attribute_records: int = 64
+    seed: int = 0
+    progress: bool = True
+
+
+class MIA(Attack):
+    name = "mia"
+    threat_model = "query"
+    Options = MIAOptions
+
+    def __init__(self, knowledge: AttackerKnowledge, **options) -> None:
+        super().__init__(knowledge, **options)
+        self.target: torch.nn.Module | None = None
+        # Vision features by image id: the tower is frozen and public, the same in every model here.
+        self._features: dict[str, torch.Tensor] = {}
+
+    def set_target(self, model: torch.nn.Module) -> "MIA":
+        """The fine-tuned model the attacker may query (black box: only its confidences are read)."""
+        self.target = model
+        return self
+
+    # -- confidences -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def confidences(self, model: torch.nn.Module, records: Sequence[VQASample],
+                    answers: Sequence[str] | None = None) -> np.ndarray:
+        """Feature rows (see the module doc) of `model` on `records` (with `answers` in place of theirs)."""
+        rows = []
+        for start in range(0, len(records), 64):
+            batch = list(records[start : start + 64])
+            batch_answers = [s.answer for s in batch] if answers is None else list(answers[start : start + 64])
+            logits, labels = self._logits(model, batch, batch_answers)
+            log_probs = logits[:, :-1].log_softmax(-1)
+            targets = labels[:, 1:]
+            labelled = targets != -100
+            token_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            first = labelled.float().argmax(-1)
+            first_dist = log_probs[torch.arange(len(batch)), first].exp()
+            top = first_dist.sort(-1, descending=True).values[:, :3]
+            entropy = -(first_dist * first_dist.clamp(min=1e-12).log()).sum(-1)
+            p_true = token_log_probs[torch.arange(len(batch)), first].exp()
+            mean_log_likelihood = (token_log_probs * labelled).sum(-1) / labelled.sum(-1)
+            rows.append(torch.cat([top, p_true[:, None], mean_log_likelihood[:, None], entropy[:, None]], -1))
+        return torch.cat(rows).float().numpy()
+
+    def _logits(self, model: torch.nn.Module, batch: Sequence[VQASample], answers: Sequence[str]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.knowledge
+        missing = list({s.image_id: s for s in batch if s.image_id not in self._features}.values())
+        if missing:
+            self._features.update(zip([s.image_id for s in missing], k.features(k.pixel_values(missing)), strict=True))
+        visual = [project_visual_features(model, self._features[s.image_id].unsqueeze(0))[0] for s in batch]
+        inputs = merge_multimodal_inputs(model, [k.prompt_ids(s.question) for s in batch], visual,
+                                         [k.answer_ids(a) for a in answers])
+        logits = run_decoder_layers(model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0,
+                                    k.num_layers, apply_head=True)
+        return logits, inputs.labels
+
+    # -- shadows ---------------------------------------------------------------------------------
+    def train_shadow(self, records: Sequence[VQASample], seed: int) -> torch.nn.Module:
+        """The public model fine-tuned (LoRA, AdamW) on `records`, as the victims fine-tune it."""
+        o = self.options
+        shadow = copy.deepcopy(self.knowledge.model)
+        parameters = list(lora_parameters(shadow).values())
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+        optimizer = torch.optim.AdamW(parameters, lr=o.shadow_lr, weight_decay=0.0)
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(o.shadow_steps):
+            batch = [records[int(i)] for i in torch.randint(len(records), (o.batch_size,), generator=generator)]
+            logits, labels = self._logits(shadow, batch, [s.answer for s in batch])
+            loss = next_token_loss(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return shadow.eval()
+
+    def fit(self, aux: Sequence[VQASample]) -> "MIA":
+        o = self.options
+        aux = list(aux)
+        if len(aux) < 2 * o.shadow_records:
+            raise ValueError(f"MIA needs {2 * o.shadow_records} auxiliary records (shadow_records in and as many "
+                             f"out), got {len(aux)}")
+        generator = torch.Generator().manual_seed(o.seed)
+        features, labels = [], []
+        for shadow_index in tqdm(range(o.shadows), desc="MIA shadow models", disable=not o.progress):
+            order = torch.randperm(len(aux), generator=generator)
+            inside = [aux[int(i)] for i in order[: o.shadow_records]]
+            outside = [aux[int(i)] for i in order[o.shadow_records : 2 * o.shadow_records]]
+            shadow = self.train_shadow(inside, o.seed + 1 + shadow_index)
+            features += [self.confidences(shadow, inside), self.confidences(shadow, outside)]
+            labels += [np.ones(len(inside)), np.zeros(len(outside))]
+        # A linear attack model: with a few shadows' records, a more flexible one overfits their noise.
+        self.attack_model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
+        self.attack_model.fit(np.concatenate(features), np.concatenate(labels))
+        kinds: dict[str, Counter] = defaultdict(Counter)
+        for sample in aux:
+            kinds[sample.question_kind][sample.answer] += 1
+        self.answers_by_kind = {kind: counts for kind, counts in kinds.items()}
+        return self
+
+    def membership_scores(self, model: torch.nn.Module, records: Sequence[VQASample],
+                          answers: Sequence[str] | None = None) -> np.ndarray:
+        return self.attack_model.predict_proba(self.confidences(model, records, answers))[:, 1]
+
+    # -- the attack ------------------------------------------------------------------------------
+    def infer_attributes(self, model: torch.nn.Module, records: Sequence[VQASample]) -> dict[str, float]:
+        """Guess each record's answer among its question kind's answers; accuracy, the prior's
+        (most common auxiliary answer of the kind) and chance (a uniform guess among the kind's answers)."""
+        correct, prior_correct, chance, scored = 0, 0, 0.0, 0
+        for record in records:
+            counts = self.answers_by_kind.get(record.question_kind)
+            if not counts or len(counts) < 2:
+                continue
+            options = sorted(counts)
+            scores = self.membership_scores(model, [record] * len(options), options)
+            correct += options[int(np.argmax(scores))] == record.answer
+            prior_correct += counts.most_common(1)[0][0] == record.answer
+            chance += 1 / len(options)
+            scored += 1
+        if not scored:
+            return {}
+        return {"attribute_accuracy": correct / scored, "baseline_attribute_accuracy": prior_correct / scored,
+                "chance_attribute_accuracy": chance / scored, "attribute_records": float(scored)}
+
+    def run(self, recording: Recording | None, truth: Truth | None = None) -> AttackResult:
+        """Query the target on the truth's members and non-members (the recording is not read:
+        membership inference needs only the fine-tuned model's answers)."""
+        o = self.options
+        if self.target is None:
+            raise ValueError("MIA queries the fine-tuned model: call set_target(model) first")
+        if not hasattr(self, "attack_model"):
+            raise RuntimeError("MIA.fit(aux) must run before the attack (it trains the shadow models)")
+        if truth is None:
+            raise ValueError("MIA needs candidates to decide on: pass a truth with membership()")
+        members, non_members = truth.membership()
+        generator = torch.Generator().manual_seed(o.seed)
+        # As many non-members as members, so that attack success (accuracy at 0.5) has 0.5 as chance.
+        count = min(len(members), len(non_members), o.candidates)
+        members, non_members = (
+            [records[int(i)] for i in torch.randperm(len(records), generator=generator)[:count]]
+            for records in (members, non_members)
+        )
+        scores = self.membership_scores(self.target, [*members, *non_members])
+        result = AttackResult(self.name, details={"members": len(members), "non_members": len(non_members)})
+        result.metrics.update(membership_metrics(scores, [True] * len(members) + [False] * len(non_members)))
+        if o.attribute_records:
+            result.metrics.update(self.infer_attributes(self.target, members[: o.attribute_records]))
+        return result
+
+
+register_attack(MIA)

@@ -1,0 +1,135 @@
+"""The victims' side of a recording, for scoring attacks (the attacker never reads it).
+
+`StaticTruth` is a truth given outright (tests, hand-made recordings). `RunTruth`
+rebuilds it for a recorded run from the run's config, exactly as the clients built
+their data (clients/runtime.py): the same datasets, partitions and tokenizer, and the
+batch of each training step from the seeded order (training.batches.batch_positions).
+A split client's step is located by the transfer's round and occurrence; an FL
+update covers its round's T_l steps.
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attacks.recording import (
+    ADAPTER_UPDATE,
+    FIRST_CUT_ACTIVATION,
+    SECOND_CUT_GRADIENT,
+    RecordedTransfer,
+)
+from sims.schema import SimConfig, load_config
+from training.batches import batch_positions
+from vlm.profiles import get_profile
+from vqa import VQASample, build_prompt, load_vqa, partition_indices
+
+
+@dataclass
+class StaticTruth:
+    """Samples (and keep sets) per recorded transfer, by sequence number."""
+
+    samples_by_seq: Mapping[int, list[VQASample]] = field(default_factory=dict)
+    keep_by_seq: Mapping[int, list[torch.Tensor]] = field(default_factory=dict)
+    members: list[VQASample] = field(default_factory=list)
+    non_members: list[VQASample] = field(default_factory=list)
+
+    def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
+        return self.samples_by_seq.get(entry.seq)
+
+    def keep_sets(self, entry: RecordedTransfer) -> list[torch.Tensor] | None:
+        return self.keep_by_seq.get(entry.seq)
+
+    def membership(self) -> tuple[list[VQASample], list[VQASample]]:
+        return list(self.members), list(self.non_members)
+
+
+def run_texts(samples: Sequence[VQASample]) -> list[str]:
+    """The texts the clients build the offline word tokenizer from (clients/runtime.py)."""
+    return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
+
+
+class RunTruth:
+    """The truth of a run folder's recording.
+
+    Node ids are not partition ids under `flwr run`; pass `node_partitions` (node id ->
+    partition id) there. Without it, the in-process grid's numbering (node i holds
+    partition i − 1) is assumed, and refused when the recorded node ids do not fit it.
+    Keep sets are known only for unpruned runs (every patch, in order).
+    """
+
+    # The training transfers whose batch a step's seeded order gives.
+    STEP_KINDS = (*FIRST_CUT_ACTIVATION.values(), SECOND_CUT_GRADIENT)
+
+    def __init__(self, config: SimConfig, node_partitions: Mapping[int, int] | None = None,
+                 faults: Mapping[tuple[int, int], str] | None = None) -> None:
+        self.config = config
+        data = config.data
+        source = data.source or None
+        self.train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None,
+                                  seed=data.seed)
+        self.test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed)
+        count = config.clients.count
+        shards = partition_indices(self.train_all, count, method=data.partition, seed=data.seed, alpha=data.alpha)
+        self.shards = [[self.train_all[i] for i in shard] for shard in shards]
+        self.node_partitions = dict(node_partitions) if node_partitions is not None else None
+        self.faults = dict(faults or {})
+
+    @classmethod
+    def from_run_folder(cls, path: str | Path, node_partitions: Mapping[int, int] | None = None) -> "RunTruth":
+        path = Path(path)
+        flat = json.loads((path / "config.json").read_text())["config"]
+        faults = {}
+        metrics = path / "metrics.jsonl"
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                record = json.loads(line)
+                for fault in record.get("faults", []):
+                    faults[record["round"], int(fault["client"])] = fault["reason"][-200:]
+        return cls(load_config(flat), node_partitions, faults)
+
+    def partition(self, node: int) -> int:
+        if self.node_partitions is not None:
+            if node not in self.node_partitions:
+                raise KeyError(f"node {node} is not in node_partitions {sorted(self.node_partitions)}")
+            return self.node_partitions[node]
+        count = self.config.clients.count
+        if not 1 <= node <= count:
+            raise KeyError(
+                f"node id {node} is not an in-process node (1..{count}); pass node_partitions (node id -> "
+                "partition id) for runs under flwr run"
+            )
+        return node - 1
+
+    def _step_samples(self, partition: int, step: int) -> list[VQASample]:
+        shard = self.shards[partition]
+        train = self.config.train
+        return [shard[p] for p in batch_positions(len(shard), train.batch_size, step, self.config.model.seed)]
+
+    def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
+        # A client fault breaks the step count of that round: its transfers are not scored.
+        if (entry.round, entry.client) in self.faults:
+            return None
+        steps = self.config.train.steps_per_round
+        partition = self.partition(entry.client)
+        if entry.kind in self.STEP_KINDS and entry.direction == "up":
+            return self._step_samples(partition, (entry.round - 1) * steps + entry.occurrence)
+        if entry.kind == ADAPTER_UPDATE:
+            first = (entry.round - 1) * steps
+            return [s for step in range(first, first + steps) for s in self._step_samples(partition, step)]
+        return None
+
+    def keep_sets(self, entry: RecordedTransfer) -> list[torch.Tensor] | None:
+        samples = self.samples(entry)
+        if samples is None or self.config.pruning.policy != "off":
+            return None
+        patches = get_profile(self.config.model.profile).num_patches
+        return [torch.arange(patches) for _ in samples]
+
+    def membership(self) -> tuple[list[VQASample], list[VQASample]]:
+        """Members: every client's training shard. Non-members: the test questions clients score on
+        (never trained on) — whose images the training split does not share."""
+        members = [s for shard in self.shards for s in shard]
+        return members, list(self.test_all)

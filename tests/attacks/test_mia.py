@@ -1,0 +1,54 @@
+"""Membership and attribute inference read what fine-tuning memorised — and nothing from a model that never saw the records."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attacks import build_attack
+from attacks.truth import StaticTruth
+from vlm.segments import llava_parts
+
+MEMBERS = 32
+RECIPE = {"shadow_records": MEMBERS, "shadow_steps": 300, "shadow_lr": 3e-3, "batch_size": 8}
+
+
+def trivial(metrics):
+    """The better of the trivial attribute guesses: the most common answer, or a uniform pick."""
+    return max(metrics["baseline_attribute_accuracy"], metrics["chance_attribute_accuracy"])
+
+
+@pytest.fixture(scope="module")
+def fitted(knowledge, victims, aux, tiny_model):
+    """The attack fitted on two shadows, and a target fine-tuned on the members with the same recipe.
+
+    The random tiny model's LM head is rescaled: at its initial scale (std 0.02) its logits
+    cannot leave the uniform distribution, so no fine-tuning could memorise anything.
+    """
+    model = tiny_model()
+    with torch.no_grad():
+        llava_parts(model).lm_head.weight.mul_(10)
+    public = dataclasses.replace(knowledge, model=model)
+    attack = build_attack("mia", public, shadows=2, candidates=MEMBERS, attribute_records=MEMBERS, progress=False,
+                          **RECIPE)
+    target = attack.train_shadow(victims[:MEMBERS], seed=123)
+    attack.fit(aux[: 2 * MEMBERS])
+    truth = StaticTruth(members=victims[:MEMBERS], non_members=aux[-MEMBERS:])
+    return attack, target, public.model, truth
+
+
+def test_mia_tells_members_from_non_members_and_infers_their_answers(fitted):
+    attack, target, _, truth = fitted
+    metrics = attack.set_target(target).run(None, truth).metrics
+    print(metrics)
+    assert metrics["auc"] > 0.65
+    assert metrics["attack_success"] > 0.6
+    assert metrics["attribute_accuracy"] > trivial(metrics) + 0.2
+
+
+def test_mia_learns_nothing_from_a_model_that_never_saw_the_records(fitted):
+    attack, _, public, truth = fitted
+    metrics = attack.set_target(public).run(None, truth).metrics
+    print(metrics)
+    assert metrics["attack_success"] < 0.6
+    assert metrics["attribute_accuracy"] < trivial(metrics) + 0.15
