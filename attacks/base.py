@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -23,6 +23,9 @@ from safetensors.torch import save_file
 from attacks.knowledge import AttackerKnowledge
 from attacks.recording import RecordedTransfer, Recording
 from vqa import VQASample
+
+if TYPE_CHECKING:
+    from attacks.replay import ReplayContext
 
 
 class Truth(Protocol):
@@ -79,6 +82,13 @@ class Attack(ABC):
     @abstractmethod
     def fit(self, aux: Sequence[VQASample]) -> "Attack":
         """Train what does not depend on the observations, on public (auxiliary) samples."""
+
+    def prepare_replay(self, run: "ReplayContext") -> None:
+        """Take from a recorded run what this attack needs besides the recording (after `fit`).
+
+        Passive attacks need nothing more; an active attack reloads the server state it
+        kept during the run, a query attack gets its target model.
+        """
 
     @abstractmethod
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:

@@ -36,6 +36,7 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, true_images, visual_observations
 from attacks.recording import Recording
+from attacks.replay import ATTACK_FOLDER, ReplayContext
 from vqa import VQASample
 
 STATE_FILE = "fsha.pt"
@@ -49,7 +50,7 @@ class FSHAOptions:
     discriminator_lr: float = 1e-3
     gradient_penalty: float = 10.0
     # Discriminator updates per hijacked exchange (WGAN's n_critic); the autoencoder takes one.
-    discriminator_steps: int = 1
+    discriminator_steps: int = 3
     decoder_width: int = 128
     batch_size: int = 32
     # Rounds of the recording to decode: the last ones, after the hijack took hold; 0: all.
@@ -199,6 +200,16 @@ class FSHA(Attack):
         self.decoder.load_state_dict(state["decoder"])
         self.discriminator.load_state_dict(state["discriminator"])
         return self
+
+    def prepare_replay(self, run: ReplayContext) -> None:
+        """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`)."""
+        path = run.folder / ATTACK_FOLDER / STATE_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"FSHA is active: decoding a run needs the server state the hijacked run saved with "
+                f"FSHA.save_state at {path}; a run without the hijack has none"
+            )
+        self.load_state(path)
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k, o = self.knowledge, self.options

@@ -32,6 +32,16 @@ from vlm.segments import (
 from vqa import IMAGE_PLACEHOLDER, VQASample, build_prompt
 
 
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How the victims fine-tune (the server sets the run config, so it knows): what shadow models copy."""
+
+    lr: float
+    batch_size: int
+    # Optimiser steps each client takes over the run.
+    steps: int
+
+
 @dataclass
 class AttackerKnowledge:
     """The public model and protocol.
@@ -40,6 +50,7 @@ class AttackerKnowledge:
     LoRA's zero B makes them the identity); attacks copy it before training anything.
     `cuts` are the decoder cuts of the run (SL: (C,), USL: (CA, CB), FL: ()).
     `instruction` is the prompt's instruction line (None: LLaVA's default).
+    `recipe` is the victims' fine-tuning recipe when known.
     """
 
     model: nn.Module
@@ -47,6 +58,7 @@ class AttackerKnowledge:
     preprocess_images: ImagePreprocessor
     cuts: tuple[int, ...]
     instruction: str | None = ""
+    recipe: TrainingRecipe | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     # -- shapes ----------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def _as_text(ids: Sequence[int]) -> str:
 
 
 def text_metrics(recovered: Sequence[Sequence[int]], original: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Mean token precision, recall and ROUGE-L over samples."""
+    """Mean token precision, recall and ROUGE-L over samples, and the share recovered exactly."""
     if len(recovered) != len(original) or not original:
         raise ValueError(f"got {len(recovered)} recovered and {len(original)} original sequences")
     pairs = [token_precision_recall(r, o) for r, o in zip(recovered, original, strict=True)]
@@ -126,6 +126,7 @@ def text_metrics(recovered: Sequence[Sequence[int]], original: Sequence[Sequence
         "token_precision": float(np.mean([p for p, _ in pairs])),
         "token_recall": float(np.mean([r for _, r in pairs])),
         "rouge_l": float(np.mean([rouge_l(r, o) for r, o in zip(recovered, original, strict=True)])),
+        "exact_match": float(np.mean([list(r) == list(o) for r, o in zip(recovered, original, strict=True)])),
     }
 
 

@@ -30,9 +30,10 @@ from sklearn.preprocessing import StandardScaler
 from tqdm.auto import tqdm
 
 from attacks.base import Attack, AttackResult, Truth, register_attack
-from attacks.knowledge import AttackerKnowledge
+from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.metrics import membership_metrics
 from attacks.recording import Recording
+from attacks.replay import ReplayContext, final_model
 from vlm.lora import lora_parameters
 from vlm.segments import (
     merge_multimodal_inputs,
@@ -48,15 +49,19 @@ class MIAOptions:
     shadows: int = 4
     # Records each shadow trains on; as many auxiliary records stay out of it.
     shadow_records: int = 256
-    shadow_steps: int = 500
-    shadow_lr: float = 1e-3
-    batch_size: int = 8
+    # None: the victims' recipe (knowledge.recipe), else FALLBACK_RECIPE.
+    shadow_steps: int | None = None
+    shadow_lr: float | None = None
+    batch_size: int | None = None
     # Members and non-members (each) drawn from the truth's candidates.
     candidates: int = 256
     # Member records whose answer is inferred (0: no attribute inference).
     attribute_records: int = 64
     seed: int = 0
     progress: bool = True
+
+
+FALLBACK_RECIPE = TrainingRecipe(lr=1e-3, batch_size=8, steps=500)
 
 
 class MIA(Attack):
@@ -112,17 +117,27 @@ class MIA(Attack):
         return logits, inputs.labels
 
     # -- shadows ---------------------------------------------------------------------------------
+    @property
+    def recipe(self) -> TrainingRecipe:
+        """The shadows' recipe: the options where set, else the victims', else the fallback."""
+        o, known = self.options, self.knowledge.recipe or FALLBACK_RECIPE
+        return TrainingRecipe(
+            lr=known.lr if o.shadow_lr is None else o.shadow_lr,
+            batch_size=known.batch_size if o.batch_size is None else o.batch_size,
+            steps=known.steps if o.shadow_steps is None else o.shadow_steps,
+        )
+
     def train_shadow(self, records: Sequence[VQASample], seed: int) -> torch.nn.Module:
         """The public model fine-tuned (LoRA, AdamW) on `records`, as the victims fine-tune it."""
-        o = self.options
+        recipe = self.recipe
         shadow = copy.deepcopy(self.knowledge.model)
         parameters = list(lora_parameters(shadow).values())
         for parameter in parameters:
             parameter.requires_grad_(True)
-        optimizer = torch.optim.AdamW(parameters, lr=o.shadow_lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(parameters, lr=recipe.lr, weight_decay=0.0)
         generator = torch.Generator().manual_seed(seed)
-        for _ in range(o.shadow_steps):
-            batch = [records[int(i)] for i in torch.randint(len(records), (o.batch_size,), generator=generator)]
+        for _ in range(recipe.steps):
+            batch = [records[int(i)] for i in torch.randint(len(records), (recipe.batch_size,), generator=generator)]
             logits, labels = self._logits(shadow, batch, [s.answer for s in batch])
             loss = next_token_loss(logits, labels)
             optimizer.zero_grad(set_to_none=True)
@@ -177,6 +192,10 @@ class MIA(Attack):
             return {}
         return {"attribute_accuracy": correct / scored, "baseline_attribute_accuracy": prior_correct / scored,
                 "chance_attribute_accuracy": chance / scored, "attribute_records": float(scored)}
+
+    def prepare_replay(self, run: ReplayContext) -> None:
+        """The target: the run's fine-tuned model of client `run.partition`."""
+        self.set_target(final_model(run))
 
     def run(self, recording: Recording | None, truth: Truth | None = None) -> AttackResult:
         """Query the target on the truth's members and non-members (the recording is not read:

@@ -1,0 +1,7 @@
+"""`python -m attacks`: see attacks.cli."""
+
+import sys
+
+from attacks.cli import main
+
+sys.exit(main())

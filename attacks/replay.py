@@ -1,0 +1,131 @@
+"""Replaying an attack against a recorded run folder: the Python side of `python -m attacks`.
+
+    result = replay("~/qpriv-runs/usl-run", "fora", options={"decoder_steps": 3000})
+
+builds what the attacker may know from the run's config (the public model with the
+run's seeded adapters, tokenizer, cuts), draws its auxiliary data from the test split
+— never a row the clients train on or score on, nor one of their images — fits the
+attack, runs it on the recording, scores it against the run's truth and saves the
+result under `<run folder>/attacks/`.
+"""
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attacks.base import AttackResult, build_attack
+from attacks.knowledge import AttackerKnowledge, TrainingRecipe
+from attacks.recording import Recording
+from attacks.truth import RunTruth, run_texts
+from sims.schema import SimConfig, load_config
+from training.model import load_party_model
+from training.store import PrivateStore
+from vlm.cuts import split_layers
+from vlm.lora import load_owner_state_dict
+from vlm.mini.tokenizer import build_word_tokenizer
+from vqa import VQASample, load_vqa
+
+ATTACK_FOLDER = "attacks"
+DEFAULT_AUX_LIMIT = 512
+# The server's segment per paradigm (vlm.cuts owners); its adapters are in the server's checkpoint.
+SERVER_OWNER = {"sl": "server", "usl": "body", "fl": "all"}
+
+
+@dataclass
+class ReplayContext:
+    """A recorded run as an attack's `prepare_replay` sees it."""
+
+    folder: Path
+    config: SimConfig
+    knowledge: AttackerKnowledge
+    # The client whose fine-tuned model a query attack targets.
+    partition: int = 0
+
+
+def knowledge_for_run(config: SimConfig, truth: RunTruth) -> AttackerKnowledge:
+    """The public model with the run's seeded (untrained) adapters, its tokenizer and cuts.
+
+    Offline profiles without a tokenizer of their own use the word tokenizer the clients
+    build from the run's data — the stand-in for a public tokenizer.
+    """
+    party = load_party_model(config)
+    tokenizer = party.bundle.tokenizer or build_word_tokenizer(run_texts([*truth.train_all, *truth.test_all]))
+    return AttackerKnowledge(
+        model=party.model.eval(), tokenizer=tokenizer, preprocess_images=party.bundle.preprocess_images,
+        cuts=config.cuts, instruction=party.instruction, device=party.device,
+        recipe=TrainingRecipe(lr=config.train.lr, batch_size=config.train.batch_size,
+                              steps=config.train.rounds * config.train.steps_per_round),
+    )
+
+
+def auxiliary_samples(config: SimConfig, truth: RunTruth, limit: int, seed: int = 1) -> list[VQASample]:
+    """`limit` test-split rows whose images no client trains on or scores on."""
+    data = config.data
+    taken = {s.image_id for s in [*truth.train_all, *truth.test_all]}
+    pool = load_vqa(data.dataset, data.test_split, data.source or None, limit=limit + len(truth.test_all),
+                    seed=data.seed + seed)
+    aux = [s for s in pool if s.image_id not in taken][:limit]
+    if not aux:
+        raise ValueError(f"no auxiliary rows left in {data.dataset}/{data.test_split} outside the clients' data")
+    return aux
+
+
+def final_model(run: ReplayContext) -> nn.Module:
+    """Client `run.partition`'s fine-tuned model after the last committed round: the server's
+    adapters from its checkpoint, the client's from its private store. Query attacks get
+    black-box access to it; they read only its outputs."""
+    config, folder = run.config, run.folder
+    committed = folder / "committed.json"
+    if not committed.exists():
+        raise FileNotFoundError(f"{folder} has no committed round: the run never finished one")
+    round_ = json.loads(committed.read_text())["round"]
+    checkpoint = torch.load(folder / "checkpoints" / f"round-{round_:06d}.pt", weights_only=True)
+    store = PrivateStore(folder / "clients" / f"partition-{run.partition}").load() or {}
+    model = copy.deepcopy(run.knowledge.model)
+    server_owner = SERVER_OWNER.get(config.paradigm)
+    for segment in split_layers(run.knowledge.num_layers, config.cuts):
+        if segment.owner == server_owner:
+            state = checkpoint["arrays"] if config.paradigm == "fl" else checkpoint["lora"]
+        elif segment.owner in store:
+            state = store[segment.owner]["lora"]
+        else:
+            raise FileNotFoundError(
+                f"client partition {run.partition}'s adapters for {segment.owner!r} are not in {folder}/clients/ "
+                "(a node with its own state-dir keeps them there)"
+            )
+        load_owner_state_dict(model, segment, state)
+    return model.eval()
+
+
+def replay(
+    run_folder: str | Path,
+    attack: str,
+    *,
+    options: Mapping[str, Any] | None = None,
+    aux_limit: int = DEFAULT_AUX_LIMIT,
+    node_partitions: Mapping[int, int] | None = None,
+    partition: int = 0,
+    output: str | Path | None = None,
+) -> AttackResult:
+    """Fit `attack` on auxiliary data, run it on the run's recording, score and save it."""
+    folder = Path(run_folder).expanduser()
+    recording = Recording.open(folder)
+    if not recording.config:
+        raise ValueError(f"{recording.folder} has no run config in its header: replay needs a run's recording")
+    config = load_config(recording.config)
+    truth = RunTruth.from_run_folder(folder, node_partitions)
+    knowledge = knowledge_for_run(config, truth)
+    instance = build_attack(attack, knowledge, **dict(options or {}))
+    instance.fit(auxiliary_samples(config, truth, aux_limit))
+    instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+    result = instance.run(recording, truth)
+    result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,
+                             "pruning": config.pruning.policy, "profile": config.model.profile}
+    result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
+    return result
