@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from attacks.knowledge import AttackerKnowledge
 from attacks.recording import RecordedTransfer, Recording
 from vqa import VQASample
+from vqa.stamping import MarkRecord
 
 if TYPE_CHECKING:
     from attacks.replay import ReplayContext
@@ -39,6 +40,9 @@ class Truth(Protocol):
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """Candidates for membership inference: (members, non-members)."""
+
+    def mark(self, sample: VQASample) -> MarkRecord | None:
+        """The stamped benchmark's mark in a sample's image (None: a plain image)."""
 
 
 @dataclass

@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import visual_rows
-from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.networks import (
     GridDecoder,
     GridDiscriminator,
@@ -31,7 +30,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, true_images, visual_observations
+from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
 from vqa import VQASample
 
@@ -155,13 +154,10 @@ class FORA(Attack):
                      "mean_kept_tokens": sum(obs.rows.shape[0] for obs in observations) / len(observations)},
             outputs={"reconstructions": images},
         )
-        if truth is not None:
-            targets, known = true_images(observations, k, truth)
-            if targets is not None:
-                result.metrics.update(image_metrics(images[known], targets))
-                baseline = mean_image_baseline(self.aux_images, targets)
-                result.metrics.update({f"baseline_{name}": value for name, value in baseline.items()})
-                result.outputs["targets"] = targets
+        score = None if truth is None else score_images(observations, images, k, truth, self.aux, self.aux_images)
+        if score is not None:
+            result.metrics.update(score.metrics)
+            result.outputs["targets"] = score.targets
         return result
 
 

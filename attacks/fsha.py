@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed, visual_rows
-from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.networks import (
     GridDecoder,
     GridDiscriminator,
@@ -34,7 +33,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, true_images, visual_observations
+from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
 from attacks.replay import ATTACK_FOLDER, ReplayContext
 from vqa import VQASample
@@ -221,13 +220,10 @@ class FSHA(Attack):
         images = self.reconstruct([obs.rows for obs in observations])
         result = AttackResult(self.name, details={"observed_samples": len(observations)},
                               outputs={"reconstructions": images})
-        if truth is not None:
-            targets, known = true_images(observations, k, truth)
-            if targets is not None:
-                result.metrics.update(image_metrics(images[known], targets))
-                baseline = mean_image_baseline(self.aux_images, targets)
-                result.metrics.update({f"baseline_{name}": value for name, value in baseline.items()})
-                result.outputs["targets"] = targets
+        score = None if truth is None else score_images(observations, images, k, truth, self.aux, self.aux_images)
+        if score is not None:
+            result.metrics.update(score.metrics)
+            result.outputs["targets"] = score.targets
         return result
 
 

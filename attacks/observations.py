@@ -16,6 +16,8 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from attacks.knowledge import AttackerKnowledge, split_packed
+from attacks.marks import MarkReader, mark_readback
+from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.recording import RecordedTransfer, Recording
 from vlm.segments import (
     merge_multimodal_inputs,
@@ -109,10 +111,26 @@ def visual_observations(
     return observations
 
 
-def true_images(
-    observations: Sequence[VisualObservation], knowledge: AttackerKnowledge, truth
-) -> tuple[torch.Tensor | None, list[int]]:
-    """The victims' images ([0, 1]) behind the observations the truth knows, and which those are."""
+@dataclass
+class ImageScore:
+    """Reconstructions against the truth: metrics, and the targets with their positions among the observations."""
+
+    metrics: dict[str, float]
+    targets: torch.Tensor
+    known: list[int]
+
+
+def score_images(
+    observations: Sequence[VisualObservation],
+    images: torch.Tensor,
+    knowledge: AttackerKnowledge,
+    truth,
+    aux: Sequence[VQASample],
+    aux_images: torch.Tensor,
+) -> ImageScore | None:
+    """PSNR/SSIM/FSIM of the reconstructions the truth can score, the mean auxiliary image's
+    (`baseline_*`), and on the stamped benchmark whether the mark reads back. None when the
+    truth knows none of the observed samples."""
     known, samples = [], []
     cache: dict[int, list[VQASample] | None] = {}
     for position, observation in enumerate(observations):
@@ -123,5 +141,15 @@ def true_images(
             known.append(position)
             samples.append(cache[seq][observation.index])
     if not samples:
-        return None, []
-    return knowledge.unit_images(knowledge.pixel_values(samples)), known
+        return None
+    targets = knowledge.unit_images(knowledge.pixel_values(samples))
+    reconstructions = images[known]
+    metrics = image_metrics(reconstructions, targets)
+    metrics.update({f"baseline_{name}": value for name, value in mean_image_baseline(aux_images, targets).items()})
+    marked = [(i, truth.mark(s)) for i, s in enumerate(samples) if truth.mark(s) is not None]
+    aux_marked = [(i, truth.mark(s)) for i, s in enumerate(aux) if truth.mark(s) is not None]
+    if marked and aux_marked:
+        reader = MarkReader().fit(aux_images[[i for i, _ in aux_marked]], [m for _, m in aux_marked])
+        rows = [i for i, _ in marked]
+        metrics.update(mark_readback(reader, reconstructions[rows], targets[rows], [m for _, m in marked]))
+    return ImageScore(metrics, targets, known)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import visual_rows
-from attacks.metrics import image_metrics, mean_image_baseline
+from attacks.metrics import image_metrics
 from attacks.networks import (
     FeatureMAE,
     GridDecoder,
@@ -37,7 +37,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, true_images, visual_observations
+from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
 from vqa import VQASample
 
@@ -167,14 +167,12 @@ class SARA(Attack):
         )
         if truth is None:
             return result
-        targets, known = true_images(observations, k, truth)
-        if targets is not None:
-            result.metrics.update(image_metrics(images[known], targets))
-            plain = image_metrics(self.reconstruct_without_positions(rows)[known], targets)
+        score = score_images(observations, images, k, truth, self.aux, self.aux_images)
+        if score is not None:
+            result.metrics.update(score.metrics)
+            plain = image_metrics(self.reconstruct_without_positions(rows)[score.known], score.targets)
             result.metrics.update({f"without_positions_{name}": value for name, value in plain.items()})
-            baseline = mean_image_baseline(self.aux_images, targets)
-            result.metrics.update({f"baseline_{name}": value for name, value in baseline.items()})
-            result.outputs["targets"] = targets
+            result.outputs["targets"] = score.targets
         true_slots = [
             (keep[obs.index] if keep is not None else None)
             for obs, keep in ((obs, truth.keep_sets(obs.entry)) for obs in observations)

@@ -24,7 +24,9 @@ from attacks.recording import (
 from sims.schema import SimConfig, load_config
 from training.batches import batch_positions
 from vlm.profiles import get_profile
-from vqa import VQASample, build_prompt, load_vqa, partition_indices
+from vqa import VQASample, build_prompt, get_adapter, load_vqa, partition_indices
+from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
+from vqa.stamping import MarkRecord
 
 
 @dataclass
@@ -35,6 +37,7 @@ class StaticTruth:
     keep_by_seq: Mapping[int, list[torch.Tensor]] = field(default_factory=dict)
     members: list[VQASample] = field(default_factory=list)
     non_members: list[VQASample] = field(default_factory=list)
+    marks_by_image: Mapping[str, MarkRecord] = field(default_factory=dict)
 
     def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
         return self.samples_by_seq.get(entry.seq)
@@ -44,6 +47,9 @@ class StaticTruth:
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         return list(self.members), list(self.non_members)
+
+    def mark(self, sample: VQASample) -> MarkRecord | None:
+        return self.marks_by_image.get(sample.image_id)
 
 
 def run_texts(samples: Sequence[VQASample]) -> list[str]:
@@ -76,6 +82,10 @@ class RunTruth:
         self.shards = [[self.train_all[i] for i in shard] for shard in shards]
         self.node_partitions = dict(node_partitions) if node_partitions is not None else None
         self.faults = dict(faults or {})
+        self.marks: dict[str, MarkRecord] = {}
+        if isinstance(get_adapter(data.dataset), StampedEasyVQAAdapter):
+            for split in (data.train_split, data.test_split):
+                self.marks.update(mark_records(data.dataset, split, source))
 
     @classmethod
     def from_run_folder(cls, path: str | Path, node_partitions: Mapping[int, int] | None = None) -> "RunTruth":
@@ -133,3 +143,6 @@ class RunTruth:
         (never trained on) — whose images the training split does not share."""
         members = [s for shard in self.shards for s in shard]
         return members, list(self.test_all)
+
+    def mark(self, sample: VQASample) -> MarkRecord | None:
+        return self.marks.get(sample.image_id)
