@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 from pruning.prepare import PrepareError, PrepareSettings, prepare_dtp
+from vlm.loading import ModelNotAvailableError
+from vqa import VQADataError
 
 DEFAULTS = PrepareSettings()
 
@@ -94,10 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     args.pop("command")
     args["sources"] = dict(args["sources"])
     try:
-        settings = PrepareSettings(**args)
+        # Settings are checked on construction; the bag labels once their sets are read, before any model loads.
+        report = prepare_dtp(PrepareSettings(**args), out, progress=not quiet)
     except PrepareError as error:
         parser.error(str(error))
-    report = prepare_dtp(settings, out, progress=not quiet)
+    except (VQADataError, ModelNotAvailableError) as error:
+        # Missing data or weights: the message already says what to supply; a traceback adds nothing.
+        parser.exit(1, f"qpriv-prune prepare: {error}\n")
     summary = {
         stage: {name: value for name, value in entry.items() if name != "epoch_losses"}
         for stage, entry in report["stages"].items()
