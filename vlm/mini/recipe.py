@@ -12,28 +12,30 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class MiniRecipe:
     seed: int = 0
+    # Every stage: warmup, a constant rate, then a cosine decay over this last share.
+    lr_decay_share: float = 0.25
     # Stage 1, vision pretraining (stand-in for CLIP's): shape and colour from the
     # patch features LLaVA actually reads (the vision feature layer), so they carry both.
-    vision_steps: int = 1500
+    vision_steps: int = 1200
     vision_batch_size: int = 64
     vision_lr: float = 3e-3
     vision_max_shift: int = 6
     # Stage 2, the base: projector + decoder learn to describe images and answer
     # instructions generated from the captions (LLaVA's own way of making instruction
     # data), in wordings other than easy-VQA's and without negation.
-    base_steps: int = 2000
+    base_steps: int = 3500
     base_batch_size: int = 64
     base_lr: float = 1e-3
     # Comparing a named colour with the image's emerges far sooner when each sequence
     # holds only a few visual tokens (each carries the whole image): the first share of
     # the base stage keeps 1..few random tokens, the rest any number up to all of them.
     base_few_tokens_max: int = 4
-    base_few_tokens_share: float = 0.7
+    base_few_tokens_share: float = 0.75
     # Yes/no comparison is what is slow to learn (reading an attribute off is quick), so
     # each yes/no task is drawn this many times as often as a describe/which task.
-    base_yes_no_weight: int = 3
+    base_yes_no_weight: int = 6
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
-    vqa_steps: int = 800
+    vqa_steps: int = 600
     vqa_batch_size: int = 64
     vqa_lr: float = 1e-3
     lora_rank: int = 32

@@ -27,7 +27,7 @@ from peft import PeftModel
 from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, get_wsd_schedule
 
 from vlm.features import VisionFeatureCache
 from vlm.lora import apply_lora
@@ -51,13 +51,22 @@ def _optimise(
     *,
     steps: int,
     lr: float,
+    decay_share: float,
     step_loss: Callable[[int], torch.Tensor],
     description: str,
     progress: bool,
 ) -> float:
-    """AdamW with a one-cycle schedule; returns the last loss."""
+    """AdamW with warmup, a constant rate, then a cosine decay over the last `decay_share`; returns the last loss.
+
+    A constant rate rather than a one-cycle schedule: the base stage's yes/no comparison
+    emerges only after ~1000-2000 steps at the full rate and stalls when the rate has
+    already decayed by then.
+    """
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.05)
+    schedule = get_wsd_schedule(
+        optimizer, num_warmup_steps=round(0.05 * steps), num_decay_steps=round(decay_share * steps),
+        num_training_steps=steps,
+    )
     loss_value = float("nan")
     with tqdm(range(steps), desc=description, unit="step", disable=not progress) as bar:
         for step in bar:
@@ -113,12 +122,17 @@ def pretrain_vision(
         parameters,
         steps=recipe.vision_steps,
         lr=recipe.vision_lr,
+        decay_share=recipe.lr_decay_share,
         step_loss=step_loss,
         description="stage 1/3 vision",
         progress=progress,
     )
     parts.vision_tower.eval()
     return loss
+
+
+# The base stage's yes/no templates, per attribute; the VQA stage's wordings differ.
+YES_NO_TEMPLATES = {"color": "Is the shape {}?", "shape": "Is the shape a {}?"}
 
 
 def _generated_instruction(
@@ -137,19 +151,21 @@ def _generated_instruction(
         return "Which color does the shape have?", attributes.color
     if task == "which_shape":
         return "Which shape is it?", attributes.shape
-    truth, choices, template = (
-        (attributes.color, COLORS, "Is the shape {}?")
-        if task == "is_color"
-        else (attributes.shape, SHAPES, "Is the shape a {}?")
-    )
+    return yes_no_instruction(attributes, "color" if task == "is_color" else "shape", rng)
+
+
+def yes_no_instruction(attributes: ImageAttributes, attribute: str, rng: random.Random) -> tuple[str, str]:
+    """'Is the shape <value>?' about `attribute` ("color" or "shape"), true half of the time."""
+    truth, choices = (attributes.color, COLORS) if attribute == "color" else (attributes.shape, SHAPES)
     asked = truth if rng.random() < 0.5 else rng.choice([c for c in choices if c != truth])
-    return template.format(asked), "yes" if asked == truth else "no"
+    return YES_NO_TEMPLATES[attribute].format(asked), "yes" if asked == truth else "no"
 
 
 def instruction_texts() -> list[str]:
     """Every word the base stage's generated instructions can use (for the tokenizer)."""
     texts = ["Describe the image.", "Which color does the shape have?", "Which shape is it?"]
-    texts += [f"Is the shape {color}?" for color in COLORS] + [f"Is the shape a {shape}?" for shape in SHAPES]
+    texts += [YES_NO_TEMPLATES["color"].format(color) for color in COLORS]
+    texts += [YES_NO_TEMPLATES["shape"].format(shape) for shape in SHAPES]
     return texts
 
 
@@ -224,7 +240,7 @@ def train_base(
 
     model.train()
     loss = _optimise(
-        trainable, steps=recipe.base_steps, lr=recipe.base_lr, step_loss=step_loss, description="stage 2/3 base",
+        trainable, steps=recipe.base_steps, lr=recipe.base_lr, decay_share=recipe.lr_decay_share, step_loss=step_loss, description="stage 2/3 base",
         progress=progress,
     )
     model.eval()
@@ -261,6 +277,7 @@ def train_vqa_lora(
         [p for p in peft_model.parameters() if p.requires_grad],
         steps=recipe.vqa_steps,
         lr=recipe.vqa_lr,
+        decay_share=recipe.lr_decay_share,
         step_loss=step_loss,
         description="stage 3/3 VQA LoRA",
         progress=progress,
