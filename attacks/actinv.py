@@ -6,6 +6,15 @@ minimises the cosine distance between F_C(ĥ0) and the observed rows with Adam (
 0.01, 2000 iterations by default), and maps each optimised row to its nearest token
 embedding. The visual rows (after the template's prefix) have no token to map to;
 the text is every other position, and the question is what follows the visual rows.
+
+Two changes for a multimodal prompt, measured on the mini model (CA=2, 8 samples,
+1,000 iterations: question-token recall 0.32 for the joint attack — 0.43 at 2,000 —
+and 0.70 with both):
+the prompt is solved run by run (prefix text, visual rows, the rest — causal
+attention makes each run depend only on what precedes it), visual rows start from the
+mean projected visual token; and each text position is chosen left to right among its
+nearest tokens by how well its own row matches (`refine_candidates`; 0 keeps the
+paper's plain projection).
 """
 
 from collections.abc import Sequence
@@ -20,9 +29,12 @@ from attacks.knowledge import split_packed
 from attacks.metrics import text_metrics
 from attacks.observations import VisualSpans, pruned
 from attacks.recording import Recording
-from vlm.segments import llava_parts, run_decoder_layers
+from vlm.segments import (
+    llava_parts,
+    project_visual_features,
+    run_decoder_layers,
+)
 from vqa import VQASample
-from wire import unpack_rows
 
 NEAREST = ("l2", "cosine")
 
@@ -33,6 +45,10 @@ class ActInvOptions:
     lr: float = 0.01
     # How an optimised row is mapped to a token: nearest by Euclidean distance or by cosine.
     nearest: str = "l2"
+    # Instead of the plain projection, pick each text position left to right among this many
+    # nearest tokens to its optimised row, by how well its own row matches (0: the paper's
+    # projection only; at least the vocabulary size: an exhaustive choice).
+    refine_candidates: int = 64
     # Stored transfers to attack (0: all); each costs `iterations` forward/backward passes.
     max_transfers: int = 0
     seed: int = 0
@@ -45,39 +61,120 @@ class ActInv(Attack):
     Options = ActInvOptions
 
     def fit(self, aux: Sequence[VQASample]) -> "ActInv":
-        """Nothing to train (the attack optimises per observation); keeps `aux` to locate pruned visual rows."""
-        if self.options.nearest not in NEAREST:
-            raise ValueError(f"nearest={self.options.nearest!r}; allowed: {NEAREST}")
+        """The mean projected visual token of auxiliary images (where visual rows start); keeps
+        `aux` to locate pruned visual rows."""
+        k, o = self.knowledge, self.options
+        if o.nearest not in NEAREST:
+            raise ValueError(f"nearest={o.nearest!r}; allowed: {NEAREST}")
         self.aux = list(aux)
+        # Special tokens never occur in the text, bar the answer's end: the image placeholder is
+        # replaced by visual rows, and padding, BOS and UNK are not in a prompt the clients build.
+        tokenizer = k.tokenizer
+        self.banned = sorted({*tokenizer.all_special_ids, k.config.image_token_id} - {tokenizer.eos_token_id})
+        with torch.no_grad():
+            features = k.features(k.pixel_values(self.aux[:64])).to(k.device)
+            self.visual_mean = project_visual_features(k.model, features).float().mean((0, 1)).cpu()
         return self
 
-    def invert(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Token ids at every position of each sample of one packed activation."""
+    @staticmethod
+    def _distance(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return 1 - F.cosine_similarity(out, target, dim=-1)
+
+    def invert(self, rows: torch.Tensor, lengths: torch.Tensor, visual: Sequence[int]) -> list[torch.Tensor]:
+        """Token ids at every position of each sample of one packed activation, whose sample b
+        holds `visual[b]` visual rows after the template's prefix.
+
+        Run by run: row i depends only on inputs 0..i (causal attention), so the prefix, the
+        visual rows and the rest are each solved against their own rows with everything before
+        already fixed. Solving all at once lets the badly fitting visual rows' gradients swamp
+        the text before them. Samples with the same number of visual rows solve together, the
+        shorter ones padded on the right (which, being later, no real row attends to).
+        """
+        if not hasattr(self, "visual_mean"):
+            raise RuntimeError("ActInv.fit(aux) must run before the attack")
+        samples = split_packed(rows.float(), lengths)
+        ids: list[torch.Tensor | None] = [None] * len(samples)
+        for count in sorted(set(visual)):
+            members = [b for b, c in enumerate(visual) if c == count]
+            for b, found in zip(members, self._invert_group([samples[b] for b in members], count), strict=True):
+                ids[b] = found
+        return ids  # type: ignore[return-value]
+
+    def _invert_group(self, targets: Sequence[torch.Tensor], visual: int) -> list[torch.Tensor]:
         k, o = self.knowledge, self.options
         embedding = llava_parts(k.model).language_model.embed_tokens.weight.detach()
-        target, mask, positions = unpack_rows(rows.float(), lengths)
-        real = mask.bool()
+        prefix = k.prefix_ids.numel()
+        lengths = torch.tensor([t.shape[0] for t in targets])
+        longest = int(lengths.max())
+        target = torch.stack([F.pad(t, (0, 0, 0, longest - t.shape[0])) for t in targets])
+        real = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+        inputs = torch.zeros(len(targets), longest, k.hidden_size)
+        ids = torch.zeros(len(targets), longest, dtype=torch.long)
         generator = torch.Generator().manual_seed(o.seed)
-        start = embedding[torch.randint(embedding.shape[0], real.shape, generator=generator)]
-        guess = start.clone().requires_grad_()
-        optimizer = torch.optim.Adam([guess], lr=o.lr)
-        for _ in tqdm(range(o.iterations), desc="ActInv", disable=not o.progress, leave=False):
-            out = run_decoder_layers(k.model, guess, mask, positions, 0, k.first_cut)
-            loss = (1 - F.cosine_similarity(out[real], target[real], dim=-1)).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        return [ids[m] for ids, m in zip(self.nearest_tokens(guess.detach(), embedding), real, strict=True)]
+        runs = [(range(prefix), True), (range(prefix, prefix + visual), False),
+                (range(prefix + visual, longest), True)]
+        for run, is_text in (r for r in runs if len(r[0])):
+            if is_text:
+                start = embedding[torch.randint(embedding.shape[0], (len(targets), len(run)), generator=generator)]
+            else:
+                # Visual rows start from the mean projected visual token: they are no word.
+                start = self.visual_mean.expand(len(targets), len(run), -1)
+            guess = start.clone().requires_grad_()
+            optimizer = torch.optim.Adam([guess], lr=o.lr)
+            for _ in range(o.iterations):
+                out = self._front(torch.cat([inputs[:, : run.start], guess], dim=1))[:, run.start :]
+                loss = self._distance(out, target[:, run])[real[:, run]].mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            inputs[:, run] = guess.detach()
+            if is_text:
+                for b, length in enumerate(lengths.tolist()):
+                    span = range(run.start, min(run.stop, length))
+                    if len(span):
+                        ids[b, span] = self._project(inputs[b, :length], target[b, :length], span, embedding)
+                        inputs[b, span] = embedding[ids[b, span]]
+        return [ids[b, :length] for b, length in enumerate(lengths.tolist())]
 
-    def nearest_tokens(self, rows: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
-        # The image placeholder never occurs as text: it is replaced by the visual tokens.
-        banned = self.knowledge.config.image_token_id
+    def _front(self, inputs: torch.Tensor) -> torch.Tensor:
+        batch, length = inputs.shape[:2]
+        mask = torch.ones(batch, length, dtype=torch.long)
+        positions = torch.arange(length).unsqueeze(0).expand(batch, -1)
+        return run_decoder_layers(self.knowledge.model, inputs, mask, positions, 0, self.knowledge.first_cut)
+
+    @torch.no_grad()
+    def _project(self, inputs: torch.Tensor, target: torch.Tensor, run: range, embedding: torch.Tensor
+                 ) -> torch.Tensor:
+        """A text run's tokens, left to right: among each position's nearest tokens to the optimised
+        row, the one whose own row best matches given the tokens already chosen (the joint
+        optimum of a run's continuous inputs projects to neighbouring, wrong tokens)."""
+        o = self.options
+        ranked = self.ranked_tokens(inputs[run].unsqueeze(0), embedding)[0]
+        ids = ranked[:, 0].clone()
+        if not o.refine_candidates:
+            return ids
+        current = inputs.clone()
+        # Banned tokens rank last: never candidates.
+        candidates = ranked[:, : min(o.refine_candidates, embedding.shape[0] - len(self.banned))]
+        for slot, position in enumerate(run):
+            trial = current[: position + 1].unsqueeze(0).repeat(candidates.shape[1], 1, 1)
+            trial[:, position] = embedding[candidates[slot]]
+            out = self._front(trial)[:, position]
+            ids[slot] = candidates[slot, int(self._distance(out, target[position].unsqueeze(0)).argmin())]
+            current[position] = embedding[ids[slot]]
+        return ids
+
+    def ranked_tokens(self, rows: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Token ids by nearness to each row ([..., V], nearest first; banned tokens last)."""
         if self.options.nearest == "cosine":
             score = F.normalize(rows, dim=-1) @ F.normalize(embedding, dim=-1).T
         else:
             score = -torch.cdist(rows, embedding.unsqueeze(0).expand(rows.shape[0], -1, -1))
-        score[..., banned] = -torch.inf
-        return score.argmax(-1)
+        score[..., self.banned] = -torch.inf
+        return score.argsort(-1, descending=True)
+
+    def nearest_tokens(self, rows: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        return self.ranked_tokens(rows, embedding)[..., 0]
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k, o = self.knowledge, self.options
@@ -90,14 +187,14 @@ class ActInv(Attack):
         for entry in tqdm(entries, desc="ActInv transfers", disable=not o.progress):
             tensors = recording.tensors(entry)
             samples = truth.samples(entry) if truth is not None else None
-            for index, (ids, rows) in enumerate(zip(self.invert(tensors["rows"], tensors["lengths"]),
-                                                    split_packed(tensors["rows"], tensors["lengths"]), strict=True)):
-                visual = k.num_patches if spans is None else spans.count(rows)
-                text = torch.cat([ids[:prefix], ids[prefix + visual :]])
-                recovered.append(text.tolist())
+            sample_rows = split_packed(tensors["rows"], tensors["lengths"])
+            visual = [k.num_patches if spans is None else spans.count(rows) for rows in sample_rows]
+            inverted = self.invert(tensors["rows"], tensors["lengths"], visual)
+            for index, (ids, count) in enumerate(zip(inverted, visual, strict=True)):
+                recovered.append(torch.cat([ids[:prefix], ids[prefix + count :]]).tolist())
                 # The question follows the visual rows; its length is the attacker's to guess, so
                 # its span is scored by position against the truth's.
-                questions.append(ids[prefix + visual :].tolist())
+                questions.append(ids[prefix + count :].tolist())
                 if samples is not None:
                     sample = samples[index]
                     prompt = k.prompt_ids(sample.question)

@@ -5,7 +5,7 @@ import torch
 from attacks import build_attack
 from attacks.knowledge import visual_rows
 
-FAST = {"pretrain_steps": 200, "discriminator_steps": 3, "decoder_width": 64, "progress": False}
+FAST = {"pretrain_steps": 200, "discriminator_steps": 3, "decoder_width": 32, "progress": False}
 
 
 def test_fsha_inverts_the_hijacked_client_but_not_an_honest_one(knowledge, victims, aux, record_activations):

@@ -1,7 +1,6 @@
 """The stamped benchmark's read-back: the probe reads marks off real images, not off a guess."""
 
 import pytest
-import torch
 
 from attacks import build_attack
 from attacks.marks import MarkReader, mark_readback

@@ -32,7 +32,7 @@ def test_actinv_replayed_on_a_recorded_usl_run_recovers_the_clients_questions(tm
     assert len(recording.select("activation at CA")) == 8 and len(recording.select("gradient at CB")) == 8
     # Scored against the batches the run's seeded order gave each client and step: a wrong
     # step or partition would pair the recovered text with another question.
-    result = replay(folder, "actinv", options={"iterations": 300, "max_transfers": 4, "progress": False},
+    result = replay(folder, "actinv", options={"iterations": 200, "max_transfers": 4, "progress": False},
                     aux_limit=16)
     print(result.metrics)
     assert result.metrics["exact_match"] == 1.0
