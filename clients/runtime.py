@@ -24,7 +24,8 @@ from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
 from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_dict
 from vlm.mini.tokenizer import build_word_tokenizer
-from vqa import build_prompt, load_vqa, partition_indices
+from vlm.profiles import Profile
+from vqa import build_prompt, is_stamped, load_vqa, mark_patches, mark_records, partition_indices
 
 # The store part holding the step counter (the others are named after their owners).
 PROGRESS = "progress"
@@ -42,6 +43,8 @@ class ClientRuntime:
     test: list[EncodedSample]
     features: VisionFeatureCache
     selector: VisualTokenSelector
+    # Stamped benchmark: the patches holding each stamped image's mark (empty otherwise).
+    marks: dict[str, tuple[int, ...]]
     store: PrivateStore
     owned: dict[str, LayerSegment]
     # The seeded adapters every party starts from (not learned, so not private state).
@@ -125,6 +128,18 @@ def _texts(samples: Iterable) -> list[str]:
     return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
 
 
+def mark_patches_by_image(config: SimConfig, profile: Profile) -> dict[str, tuple[int, ...]]:
+    """The mark patches of every stamped image of the run's splits, at the model's patch grid."""
+    data = config.data
+    if not is_stamped(data.dataset):
+        return {}
+    marks = {}
+    for split in (data.train_split, data.test_split):
+        for image_id, record in mark_records(data.dataset, split, data.source or None).items():
+            marks[image_id] = mark_patches(record, profile.image_size, profile.patch_size)
+    return marks
+
+
 def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:
     data = config.data
     source = data.source or None
@@ -161,6 +176,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         train=train,
         test=test,
         features=features,
+        marks=mark_patches_by_image(config, party.bundle.profile),
         selector=build_selector(
             config,
             tokenizer=tokenizer,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from clients.runtime import ClientRuntime
+from pruning import PruningRecord
 from training.batches import EncodedSample, batch_positions, decoder_inputs
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
@@ -55,14 +56,14 @@ class SplitClient:
         size = self.rt.config.eval.batch_size
         return -(-len(self.rt.test) // size)
 
-    def inputs(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor]) -> tuple[DecoderInputs, list[int]]:
+    def inputs(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor]) -> tuple[DecoderInputs, PruningRecord]:
         rt = self.rt
-        return decoder_inputs(rt.model, rt.features, rt.selector, batch, answers, rt.party.device)
+        return decoder_inputs(rt.model, rt.features, rt.selector, batch, answers, rt.party.device, rt.marks)
 
     def front_forward(
         self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor]
-    ) -> tuple[DecoderInputs, torch.Tensor, list[int]]:
-        inputs, kept = self.inputs(batch, answers)
+    ) -> tuple[DecoderInputs, torch.Tensor, PruningRecord]:
+        inputs, pruned = self.inputs(batch, answers)
         hidden = run_decoder_layers(
             self.rt.model,
             inputs.hidden_states,
@@ -71,7 +72,7 @@ class SplitClient:
             self.front_segment.start,
             self.front_segment.stop,
         )
-        return inputs, hidden, kept
+        return inputs, hidden, pruned
 
     # -- training ------------------------------------------------------------------------
     def begin(self, round_: int, committed_round: int) -> dict:
@@ -83,10 +84,10 @@ class SplitClient:
     def forward_payload(self) -> dict:
         batch = self.train_batch()
         with torch.no_grad():
-            inputs, hidden, kept = self.front_forward(batch, [item.answer_ids for item in batch])
+            inputs, hidden, pruned = self.front_forward(batch, [item.answer_ids for item in batch])
         rows, lengths = pack_rows(hidden, inputs.attention_mask)
         return {"tensors": {"rows": rows, "lengths": lengths, **self.extra_forward_tensors(batch)},
-                "metrics": {"kept_tokens": sum(kept) / len(kept)}}
+                "metrics": pruned.as_message_metrics()}
 
     def extra_forward_tensors(self, batch: Sequence[EncodedSample]) -> dict[str, torch.Tensor]:
         return {}

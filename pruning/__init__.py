@@ -6,7 +6,7 @@
 - pruning.inputs: the encoders' per-sample outputs, computed once and cached
 - pruning.artifacts: the trained module and the oracle table on disk
 - pruning.policies: the registry of policies (off, fixed, dtp, oracle) and their selectors
-- pruning.metrics: keep-count and exclusion-ratio summaries
+- pruning.metrics: keep-count and exclusion-ratio summaries, the per-round pruning record
 - pruning.prepare: "prepare DTP" (oracle, teacher, student) into an artefacts folder; `qpriv-prune prepare`
 """
 
@@ -30,6 +30,7 @@ from pruning.inputs import PruningInputCache
 from pruning.metrics import (
     ExclusionSummary,
     KeepCountSummary,
+    PruningRecord,
     sensitivity_exclusion_ratios,
     summarize_exclusion,
     summarize_keep_counts,
@@ -67,6 +68,7 @@ __all__ = [
     "FrozenEncoders",
     "KeepAll",
     "KeepCountSummary",
+    "PruningRecord",
     "PolicyContext",
     "PolicySpec",
     "PruningInputCache",

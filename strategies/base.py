@@ -16,6 +16,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from pruning import PruningRecord
 from sims.schema import SimConfig
 from strategies.callbacks import RunCallback
 from training import protocol
@@ -105,6 +106,14 @@ class RoundStrategy(ABC):
 
 
 FAULTS = (ClientFault, WireError)
+
+
+def pruning_record(content: RecordDict) -> PruningRecord:
+    """The pruning record in a client's reply; a malformed one is the client's fault."""
+    try:
+        return PruningRecord.from_message_metrics(content.metric_records[protocol.METRICS])
+    except (KeyError, ValueError) as error:
+        raise ClientFault(f"malformed pruning metrics: {error}") from error
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = True) -> list[int]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from strategies.base import RoundStrategy
+from strategies.base import RoundStrategy, pruning_record
 from training import protocol
 
 
@@ -17,7 +17,11 @@ class CLStrategy(RoundStrategy):
         reply = self.exchange(grid, nodes[0], round_, protocol.CL_TRAIN, {"committed-round": round_ - 1})
         self.wire.received(round_, nodes[0], "training report", reply, {})  # counted: metrics only
         metrics = reply.metric_records[protocol.METRICS]
-        return {"train_loss": metrics["loss"], "steps": self.config.train.steps_per_round, "kept_tokens": metrics["kept_tokens"]}
+        return {
+            "train_loss": metrics["loss"],
+            "steps": self.config.train.steps_per_round,
+            **pruning_record(reply).as_round_metrics(),
+        }
 
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         reply = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {})

@@ -16,9 +16,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from pruning import PruningRecord
 from sims.schema import SimConfig
+from strategies.base import ClientFault, pruning_record
 from strategies.callbacks import RunCallback
 from training import protocol
+from vlm.profiles import get_profile
 from wire import Wire, WireError, serialized_size
 
 
@@ -53,6 +56,8 @@ class WireFedAvg(FedAvg):
         self.num_rounds = num_rounds
         self.arrays: ArrayRecord | None = None
         self.record: dict[str, Any] = {}
+        self.num_patches = get_profile(config.model.profile).num_patches
+        self.pruned = PruningRecord(num_patches=self.num_patches)
         self.faults: list[dict[str, Any]] = []
         self.sent_to: list[int] = []
         self.started = time.perf_counter()
@@ -77,6 +82,7 @@ class WireFedAvg(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.started = time.perf_counter()
         self.record, self.faults = {}, []
+        self.pruned = PruningRecord(num_patches=self.num_patches)
         messages = self._through_wire(super().configure_train(server_round, arrays, config, grid), self.round_of(server_round))
         self.sent_to = [m.metadata.dst_node_id for m in messages]
         return messages
@@ -103,10 +109,12 @@ class WireFedAvg(FedAvg):
                     round_, node, "adapter update", reply.content, expected, record_key=protocol.ARRAYS
                 )
                 reported = reply.content.metric_records[protocol.METRICS]
-                metrics = MetricRecord({key: reported[key] for key in ("num-examples", "loss", "kept_tokens")})
-            except (WireError, KeyError) as error:
+                metrics = MetricRecord({key: reported[key] for key in ("num-examples", "loss")})
+                pruned = pruning_record(reply.content)
+            except (WireError, KeyError, ClientFault) as error:
                 self._fault(node, phase, f"{type(error).__name__}: {error}")
                 continue
+            self.pruned = self.pruned.merge(pruned)
             # FedAvg averages numpy arrays: the accepted update, decoded to fp32.
             content = RecordDict({protocol.ARRAYS: to_numpy_record(tensors), protocol.METRICS: metrics})
             kept.append(Message(content=content, reply_to=reply))
@@ -124,7 +132,7 @@ class WireFedAvg(FedAvg):
         arrays, metrics = super().aggregate_train(server_round, kept)
         self.arrays = arrays
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
-                            "clients_averaged": len(kept), "kept_tokens": float(metrics["kept_tokens"])})
+                            "clients_averaged": len(kept), **self.pruned.as_round_metrics()})
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):

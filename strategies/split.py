@@ -16,7 +16,8 @@ from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
 from sims.schema import SimConfig
-from strategies.base import FAULTS, RoundStrategy
+from pruning import PruningRecord
+from strategies.base import FAULTS, RoundStrategy, pruning_record
 from strategies.callbacks import RunCallback
 from training import protocol
 from training.model import PartyModel, make_optimizer
@@ -75,12 +76,13 @@ class SplitStrategy(RoundStrategy):
 
     # -- training --------------------------------------------------------------------------
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        losses, kept, steps, tokens = [], [], 0, 0
+        losses, steps, tokens = [], 0, 0
+        pruned = PruningRecord(num_patches=self.party.bundle.profile.num_patches)
         for node in nodes:
-            done, turn_losses, turn_kept, turn_tokens = self.turn(grid, node, round_)
+            done, turn_losses, turn_pruned, turn_tokens = self.turn(grid, node, round_)
             steps += done
             losses += turn_losses
-            kept += turn_kept
+            pruned = pruned.merge(turn_pruned)
             tokens += turn_tokens
         if steps == 0:
             reasons = "; ".join(f"client {f['client']}: {f['reason'][-300:]}" for f in self.faults.get(round_, []))
@@ -88,19 +90,20 @@ class SplitStrategy(RoundStrategy):
         return {
             "train_loss": sum(losses) / len(losses) if losses else None,
             "steps": steps,
-            "kept_tokens": sum(kept) / len(kept) if kept else None,
+            **pruned.as_round_metrics(),
             # Real tokens whose activations crossed the (first) cut: k in the k × D payload.
             "train_tokens": tokens,
         }
 
-    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], list[float], int]:
+    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], PruningRecord, int]:
         steps = self.config.train.steps_per_round
-        losses, kept, done, tokens = [], [], 0, 0
+        losses, done, tokens = [], 0, 0
+        pruned = PruningRecord(num_patches=self.party.bundle.profile.num_patches)
         phase = "open the turn"
         try:
             reply = self.exchange(grid, node, round_, protocol.SPLIT_BEGIN, {"committed-round": round_ - 1})
             for step in range(steps):
-                kept.append(float(reply.metric_records[protocol.METRICS]["kept_tokens"]))
+                pruned = pruned.merge(pruning_record(reply))
                 phase = f"step {step + 1}/{steps}"
                 reply, loss, step_tokens = self.step(grid, node, round_, reply, go_on=step < steps - 1)
                 losses.append(loss)
@@ -109,7 +112,7 @@ class SplitStrategy(RoundStrategy):
             self.wire.received(round_, node, "end of turn", reply, {})
         except FAULTS as error:
             self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
-        return done, losses, kept, tokens
+        return done, losses, pruned, tokens
 
     @abstractmethod
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:

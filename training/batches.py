@@ -5,14 +5,15 @@ message in a fresh process rebuilds the very same batch to run a backward pass, 
 nothing about which samples were used needs to leave it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from pruning import VisualTokenSelector
+from pruning import PruningRecord, VisualTokenSelector
 from vlm.features import VisionFeatureCache
 from vlm.segments import DecoderInputs, merge_multimodal_inputs, project_visual_features
 from vqa import VQASample, build_prompt
@@ -60,13 +61,14 @@ def decoder_inputs(
     batch: Sequence[EncodedSample],
     answers: Sequence[torch.Tensor] | None,
     device: torch.device,
-) -> tuple[DecoderInputs, list[int]]:
-    """Features -> kept tokens -> projector -> merged decoder inputs; also each sample's kept count."""
-    visual, kept = projected_visual_tokens(model, features, selector, batch, device)
+    marks: Mapping[str, Sequence[int]] = MappingProxyType({}),
+) -> tuple[DecoderInputs, PruningRecord]:
+    """Features -> kept tokens -> projector -> merged decoder inputs; also what pruning did."""
+    visual, pruned = projected_visual_tokens(model, features, selector, batch, device, marks)
     inputs = merge_multimodal_inputs(
         model, [item.prompt_ids for item in batch], visual, answers, padding_side="left"
     )
-    return inputs, kept
+    return inputs, pruned
 
 
 def projected_visual_tokens(
@@ -75,12 +77,24 @@ def projected_visual_tokens(
     selector: VisualTokenSelector,
     batch: Sequence[EncodedSample],
     device: torch.device,
-) -> tuple[list[torch.Tensor], list[int]]:
-    """Each sample's kept visual tokens through the projector, and how many were kept."""
-    stacked = features.stack([item.sample for item in batch]).to(device)
-    keep = selector(stacked, [item.sample for item in batch])
+    marks: Mapping[str, Sequence[int]] = MappingProxyType({}),
+) -> tuple[list[torch.Tensor], PruningRecord]:
+    """Each sample's kept visual tokens through the projector, and what pruning did.
+
+    `marks` maps a stamped image's id to the patches holding its mark (stamped benchmark).
+    """
+    samples = [item.sample for item in batch]
+    stacked = features.stack(samples).to(device)
+    keep = selector(stacked, samples)
+    # A scoring policy's own sensitivity map gives the exclusion ratio (a second pass of a
+    # module ~1/1000 of the vision tower's cost, so the selector interface stays indices).
+    score = getattr(selector, "score", None)
+    sensitivity = score(stacked, samples).sensitivity if score is not None else None
+    pruned = PruningRecord.of_batch(
+        keep, stacked.shape[1], sensitivity=sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
+    )
     dtype = next(model.parameters()).dtype
     visual = [
         project_visual_features(model, stacked[i, indices].unsqueeze(0).to(dtype))[0] for i, indices in enumerate(keep)
     ]
-    return visual, [int(indices.numel()) for indices in keep]
+    return visual, pruned

@@ -2,7 +2,7 @@
 the stamped privacy benchmark and the privacy bags of the sensitivity teacher."""
 
 import vqa.adapters  # noqa: F401  (registers the built-in datasets)
-from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
+from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, is_stamped, mark_records
 from vqa.answers import canonical_answer, normalize_answer
 from vqa.errors import RowProblem, VQADataError
 from vqa.images import ImageRef, to_rgb
@@ -61,6 +61,7 @@ __all__ = [
     "get_adapter",
     "load_privacy_bags",
     "load_vqa",
+    "is_stamped",
     "mark_patches",
     "mark_records",
     "normalize_answer",

@@ -3,6 +3,7 @@
 from flwr.app import Message
 
 from clients.app import app as client_app
+from pruning.metrics import RECORD_PREFIX
 from sims.schema import load_config
 from strategies import app as server_app
 from strategies.app import run
@@ -25,8 +26,10 @@ def test_the_server_receives_only_cut_activations_and_gradients(run_config, fake
         assert set(content.config_records) == set()  # no text, no ids
         assert set(content.array_records) == {"wire"}
         assert set(content.array_records["wire"]) <= {"rows", "lengths", "grad"}
-        # Scalars only: the loss, the kept-token count, evaluation counts — no labels, no logits.
-        assert set(content.metric_records["metrics"]) <= {"loss", "kept_tokens", "eval-batches", "correct", "count"}
+        # The loss, evaluation counts and the pruning record (kept counts, exclusion ratios,
+        # mark-removal counts) — no labels, no logits.
+        names = set(content.metric_records["metrics"])
+        assert {n for n in names if not n.startswith(RECORD_PREFIX)} <= {"loss", "eval-batches", "correct", "count"}
     kinds = {transfer.kind for transfer in observed}
     assert kinds == {"activation at CA", "gradient at CB", "end of turn", "evaluation activation at CA", "evaluation score"}
     hidden = 32  # tiny profile

@@ -86,11 +86,16 @@ class StampedEasyVQAAdapter:
         return StampedEasyVQATable(EASYVQA.open(source, split), split, self.spec)
 
 
+def is_stamped(dataset: str) -> bool:
+    """Whether `dataset` is a stamped benchmark (its images carry recorded marks)."""
+    return isinstance(get_adapter(dataset), StampedEasyVQAAdapter)
+
+
 def stamped_adapter(dataset: str, split: str) -> StampedEasyVQAAdapter:
     """The registered stamped dataset ``dataset``, with ``split`` checked."""
     adapter = get_adapter(dataset)
-    if not isinstance(adapter, StampedEasyVQAAdapter):
-        stamped = ", ".join(name for name in dataset_names() if isinstance(get_adapter(name), StampedEasyVQAAdapter))
+    if not is_stamped(dataset):
+        stamped = ", ".join(name for name in dataset_names() if is_stamped(name))
         raise VQADataError(f"dataset {dataset!r} has no stamped marks; stamped datasets: {stamped}", dataset=dataset)
     if split not in adapter.splits:
         allowed = ", ".join(adapter.splits)
