@@ -285,6 +285,14 @@ def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:
         raise ConfigError(
             "pruning.artifacts", pruning.artifacts, f"the folder holding {spec.required_artifact} (policy {pruning.policy})"
         )
+    # Checked here, not when a client builds its selector: a typo must fail before any model loads.
+    needed = spec.required_artifact
+    if needed and not (Path(pruning.artifacts).expanduser() / needed).is_file():
+        raise ConfigError(
+            "pruning.artifacts",
+            pruning.artifacts,
+            f"a folder holding {needed} (make one with `qpriv-prune prepare --out FOLDER`)",
+        )
     # Only a profile with real encoders (hub ids) reads a source.
     for key, hub_id in (("text_source", "text_hf_id"), ("dino_source", "dino_hf_id")):
         source = getattr(pruning, key)

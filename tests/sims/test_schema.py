@@ -39,6 +39,7 @@ def test_the_paper_sim_holds_the_paper_settings():
         ({"pruning.policy": "random"}, "pruning.policy", "off, fixed, dtp, oracle"),
         ({"pruning.policy": "dtp"}, "pruning.artifacts", "the folder holding dtp.pt"),
         ({"pruning.policy": "oracle"}, "pruning.artifacts", "the folder holding oracle.pt"),
+        ({"pruning.policy": "dtp", "pruning.artifacts": "/nowhere"}, "pruning.artifacts", "qpriv-prune prepare"),
         ({"pruning.policy": "fixed", "pruning.ratio": 1.0}, "pruning.ratio", "[0, 1)"),
         ({"pruning.ratio": 0.5}, "pruning.ratio", "0 unless pruning.policy is one of: fixed"),
         ({"pruning.alpha": -1.0}, "pruning.alpha", ">= 0"),
