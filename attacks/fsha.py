@@ -112,7 +112,7 @@ class FSHA(Attack):
         count = min(pilot_grid.shape[0], client_grid.shape[0])
         real, fake = pilot_grid[:count], client_grid[:count]
         # WGAN-GP: the pilot's rows score high, the client's low; the penalty keeps D 1-Lipschitz.
-        mix = torch.rand(count, 1, 1)
+        mix = torch.rand(count, 1, 1, generator=self.generator)
         between = (mix * real + (1 - mix) * fake).requires_grad_()
         slope = torch.autograd.grad(self.discriminator(between).sum(), between, create_graph=True)[0]
         penalty = ((slope.flatten(1).norm(dim=-1) - 1) ** 2).mean()
