@@ -80,13 +80,24 @@ class RoundStrategy(ABC):
 
     # -- one exchange with one client ------------------------------------------------------
     def exchange(
-        self, grid: Grid, node: int, round_: int, message_type: str, config: dict[str, Any], tensors: dict | None = None
+        self,
+        grid: Grid,
+        node: int,
+        round_: int,
+        message_type: str,
+        config: dict[str, Any],
+        tensors: dict | None = None,
+        *,
+        kind: str | None = None,
     ) -> RecordDict:
-        """Send one message and wait for its reply: one round trip, counted and timed out."""
+        """Send one message and wait for its reply: one round trip, counted and timed out.
+
+        `kind` names the tensors for the wire's observers of what is sent (Wire.sent).
+        """
         content = RecordDict({protocol.CONFIG: ConfigRecord({"round": round_, **config})})
         if tensors is not None:
             content[protocol.TENSORS] = self.wire.encode(tensors)
-        self.wire.sent(round_, node, content)
+        self.wire.sent(round_, node, content, kind=kind)
         message = Message(content=content, message_type=message_type, dst_node_id=node)
         replies = list(grid.send_and_receive([message], timeout=self.config.faults.timeout_s))
         self.round_trips[round_, message_type.split(".")[0]] += 1

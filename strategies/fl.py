@@ -65,8 +65,9 @@ class WireFedAvg(FedAvg):
     def round_of(self, server_round: int) -> int:
         return server_round + self.offset
 
-    def _through_wire(self, messages: Iterable[Message], round_: int) -> list[Message]:
-        """FedAvg's messages with the adapters re-encoded under the wire's dtype policy."""
+    def _through_wire(self, messages: Iterable[Message], round_: int, kind: str | None = None) -> list[Message]:
+        """FedAvg's messages with the adapters re-encoded under the wire's dtype policy
+        (named `kind` for the wire's observers of what is sent)."""
         out = []
         for message in messages:
             content = message.content
@@ -74,7 +75,7 @@ class WireFedAvg(FedAvg):
             config = ConfigRecord(dict(content.config_records[protocol.CONFIG]))
             config["round"] = round_
             encoded = RecordDict({protocol.ARRAYS: self.wire.encode(tensors), protocol.CONFIG: config})
-            self.wire.sent(round_, message.metadata.dst_node_id, encoded)
+            self.wire.sent(round_, message.metadata.dst_node_id, encoded, kind=kind, record_key=protocol.ARRAYS)
             out.append(Message(content=encoded, message_type=message.metadata.message_type,
                                dst_node_id=message.metadata.dst_node_id))
         return out
@@ -83,7 +84,9 @@ class WireFedAvg(FedAvg):
         self.started = time.perf_counter()
         self.record, self.faults = {}, []
         self.pruned = PruningRecord(num_patches=self.num_patches)
-        messages = self._through_wire(super().configure_train(server_round, arrays, config, grid), self.round_of(server_round))
+        messages = self._through_wire(
+            super().configure_train(server_round, arrays, config, grid), self.round_of(server_round), "global adapters"
+        )
         self.sent_to = [m.metadata.dst_node_id for m in messages]
         return messages
 

@@ -4,7 +4,8 @@ Both clients/ and strategies/ import it, so it lives outside both. Everything th
 crosses a cut (activations, their gradients) or carries an update (FL's LoRA
 weights) is encoded here under the run's dtype policy, its serialised bytes are
 counted per direction, round and client, and observers see exactly what the server
-received, decoded as the server decoded it.
+received, decoded as the server decoded it (and, when they ask, the payloads it sent
+that a strategy names).
 """
 
 from wire.wire import (

@@ -60,13 +60,15 @@ def unpack_rows(rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class Transfer:
-    """One payload the server received, as the server decoded it."""
+    """One payload the server received, as the server decoded it ("up"), or sent, as its
+    client will decode it ("down")."""
 
     round: int
     client: int
     kind: str
     tensors: Mapping[str, torch.Tensor]
     num_bytes: int
+    direction: str = "up"
 
 
 TransferObserver = Callable[[Transfer], None]
@@ -106,6 +108,7 @@ class Wire:
         self.dtype = WIRE_DTYPES[dtype]
         self.ledger = Ledger()
         self._observers: list[TransferObserver] = []
+        self._sent_observers: list[TransferObserver] = []
 
     # -- encoding (both parties) ---------------------------------------------------------
     def encode(self, tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -142,12 +145,11 @@ class Wire:
             if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got, strict=False)):
                 allowed = tuple("*" if w is None else w for w in shape)
                 raise WireError(f"{what}: tensor {name!r} has shape {got}, expected {allowed}")
-            data = bytearray(array.data)
-            if len(data) != dtype.itemsize * _numel(got):
-                raise WireError(f"{what}: tensor {name!r} carries {len(data)} bytes for shape {got} of {array.dtype}")
-            tensor = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(got) if data else torch.empty(
-                got, dtype=dtype
-            )
+            if len(array.data) != dtype.itemsize * _numel(got):
+                raise WireError(
+                    f"{what}: tensor {name!r} carries {len(array.data)} bytes for shape {got} of {array.dtype}"
+                )
+            tensor = _raw_tensor(array)
             if kind == "float" and not torch.isfinite(tensor).all():
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WireError(f"{what}: tensor {name!r} holds {bad} non-finite values (NaN or inf)")
@@ -155,14 +157,29 @@ class Wire:
         return tensors
 
     # -- the server's side: accounting and observation --------------------------------------
-    def subscribe(self, observer: TransferObserver) -> None:
-        """Call `observer` with every payload the server accepts, exactly as it decoded it."""
+    def subscribe(self, observer: TransferObserver, *, sent: bool = False) -> None:
+        """Call `observer` with every payload the server accepts, exactly as it decoded it;
+        with `sent`, also with every payload the server sends under a name (see `sent`)."""
         self._observers.append(observer)
+        if sent:
+            self._sent_observers.append(observer)
 
-    def sent(self, round_: int, client: int, content: RecordDict) -> int:
-        """Count a message the server sends; returns its serialised content size."""
+    def sent(
+        self, round_: int, client: int, content: RecordDict, *, kind: str | None = None, record_key: str = "wire"
+    ) -> int:
+        """Count a message the server sends; returns its serialised content size.
+
+        A strategy names (`kind`) only the payloads an attack replays (the USL rows at CB,
+        FL's global adapters); observers subscribed with `sent=True` see those tensors as
+        the client will decode them.
+        """
         num_bytes = serialized_size(content)
         self.ledger.add(round_, client, "down", num_bytes)
+        if kind is not None and self._sent_observers:
+            tensors = {name: _raw_tensor(array) for name, array in content.array_records[record_key].items()}
+            transfer = Transfer(round_, client, kind, tensors, num_bytes, direction="down")
+            for observer in self._sent_observers:
+                observer(transfer)
         return num_bytes
 
     def received(
@@ -193,6 +210,14 @@ class Wire:
         for observer in self._observers:
             observer(transfer)
         return tensors
+
+
+def _raw_tensor(array: Array) -> torch.Tensor:
+    """The tensor an `encode`d Array holds (a copy: Flower's buffer is read-only)."""
+    dtype, shape = _TORCH_DTYPES[array.dtype], tuple(array.shape)
+    if not array.data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(array.data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _numel(shape: Iterable[int]) -> int:

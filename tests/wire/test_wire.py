@@ -112,3 +112,20 @@ def test_observers_see_exactly_what_the_server_accepted():
     assert transfer.tensors["rows"].dtype == torch.bfloat16
     torch.testing.assert_close(transfer.tensors["rows"], rows.to(torch.bfloat16), rtol=0, atol=0)
     assert wire.ledger.round_totals(2)["bytes_up"] == serialized_size(good) + serialized_size(bad)
+
+
+def test_observers_that_ask_see_the_named_payloads_the_server_sent_as_the_client_decodes_them():
+    wire = Wire("bf16")
+    received_only, everything = [], []
+    wire.subscribe(received_only.append)
+    wire.subscribe(everything.append, sent=True)
+    rows = torch.randn(4, 16)
+    named = RecordDict({"wire": wire.encode({"rows": rows})})
+    wire.sent(3, 7, named, kind="activation at CB")
+    wire.sent(3, 7, RecordDict({"wire": wire.encode({"grad": rows})}))  # unnamed: counted, not shown
+    assert received_only == []
+    (transfer,) = everything
+    assert (transfer.round, transfer.client, transfer.kind, transfer.direction) == (3, 7, "activation at CB", "down")
+    assert transfer.num_bytes == serialized_size(named)
+    client_side = Wire("bf16").decode(named["wire"], {"rows": ((4, 16), "float")}, what="rows at CB")
+    torch.testing.assert_close(transfer.tensors["rows"], client_side["rows"], rtol=0, atol=0)
