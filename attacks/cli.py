@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from attacks.base import attack_class, available_attacks
-from attacks.replay import DEFAULT_AUX_LIMIT, replay
+from attacks.replay import replay
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("attack", choices=available_attacks())
     run.add_argument("-o", "--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                      help="an attack option (see `list`); repeatable")
-    run.add_argument("--aux-limit", type=int, default=DEFAULT_AUX_LIMIT,
-                     help="auxiliary (public) rows the attacker trains on")
+    run.add_argument("--aux-limit", type=int,
+                     help="auxiliary (public) rows the attacker trains on (default: the run's threat.aux_limit)")
     run.add_argument("--node-partition", action="append", type=_node_partition, default=[],
                      metavar="NODE=PARTITION", help="which client partition a node id held (runs under flwr run)")
     run.add_argument("--partition", type=int, default=0, help="the client whose model a query attack (MIA) targets")

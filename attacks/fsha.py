@@ -91,7 +91,9 @@ class FSHA(Attack):
 
     def _pilot_rows(self, batch: torch.Tensor) -> torch.Tensor:
         k = self.knowledge
-        return torch.stack(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut))
+        rows = torch.stack(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut))
+        # The attacker's own networks run in fp32 on the CPU, wherever and in whatever dtype the model runs.
+        return rows.float().cpu()
 
     def _autoencoder_step(self) -> float:
         self.decoder.train()
@@ -181,24 +183,41 @@ class FSHA(Attack):
         grid = place_on_grid([r.float() for r in observed], [spread_slots(r.shape[0], n) for r in observed], n)
         return torch.cat([self.decoder(grid[i : i + 256]) for i in range(0, grid.shape[0], 256)])
 
-    def save_state(self, path: str | Path) -> None:
-        """The server's networks after a hijacked run, for `run` to decode its recording later."""
+    def state_dict(self) -> dict:
+        """The server's networks, their optimisers and its public-batch generator: all a hijack goes on from."""
         trainable = {n: p.detach() for n, p in self.pilot.named_parameters() if p.requires_grad}
-        torch.save({"pilot": trainable, "decoder": self.decoder.state_dict(),
-                    "discriminator": self.discriminator.state_dict()}, path)
+        return {"pilot": trainable, "decoder": self.decoder.state_dict(),
+                "discriminator": self.discriminator.state_dict(),
+                "autoencoder_optimizer": self.autoencoder_optimizer.state_dict(),
+                "discriminator_optimizer": self.discriminator_optimizer.state_dict(),
+                "generator": self.generator.get_state()}
 
-    def load_state(self, path: str | Path) -> "FSHA":
-        """Restore `save_state`'s networks (after `fit`, which builds them)."""
+    def load_state_dict(self, state: dict) -> "FSHA":
+        """Restore `state_dict` (after `fit`, which builds the networks)."""
         if not hasattr(self, "pilot"):
-            raise RuntimeError("FSHA.fit(aux) must run before load_state (it builds the networks)")
-        state = torch.load(path, weights_only=True)
+            raise RuntimeError("FSHA.fit(aux) must run before its state loads (it builds the networks)")
+        width = state["decoder"]["project.weight"].shape[0]
+        if width != self.options.decoder_width:
+            raise ValueError(f"the saved FSHA decoder is {width} wide; build FSHA with decoder_width={width} "
+                             f"(replay: -o decoder_width={width})")
         parameters = dict(self.pilot.named_parameters())
         with torch.no_grad():
             for name, value in state["pilot"].items():
                 parameters[name].copy_(value)
         self.decoder.load_state_dict(state["decoder"])
         self.discriminator.load_state_dict(state["discriminator"])
+        self.autoencoder_optimizer.load_state_dict(state["autoencoder_optimizer"])
+        self.discriminator_optimizer.load_state_dict(state["discriminator_optimizer"])
+        self.generator.set_state(state["generator"])
         return self
+
+    def save_state(self, path: str | Path) -> None:
+        """The server's state after a hijacked run, for `run` to decode its recording later."""
+        torch.save(self.state_dict(), path)
+
+    def load_state(self, path: str | Path) -> "FSHA":
+        """Restore `save_state`'s file."""
+        return self.load_state_dict(torch.load(path, weights_only=True))
 
     def prepare_replay(self, run: ReplayContext) -> None:
         """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`)."""

@@ -5,7 +5,7 @@ A recording is a folder (by default `<run folder>/recording/`):
 - `recording.json`: format version, the cap, and the run's flat config (paradigm,
   profile, cuts, pruning policy, ...), so an attack knows what it is looking at;
 - `index.jsonl`: one line per transfer the server received (or, when the strategy
-  reports it, sent): `seq`, `round`, `client`, `kind` (the wire's name, e.g.
+  names it, sent): `seq`, `round`, `client`, `kind` (the wire's name, e.g.
   "activation at CA"), `direction` ("up": client -> server, "down": server -> client),
   `occurrence` (how many transfers of this client, kind and direction came before
   it in the same round — with the round, this locates a split client's step),
@@ -43,9 +43,9 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 # What the wire calls the tensors an attack reads, per paradigm (strategies/split.py, strategies/fl.py).
 FIRST_CUT_ACTIVATION = {"usl": "activation at CA", "sl": "activation at C"}
 SECOND_CUT_GRADIENT = "gradient at CB"
-SECOND_CUT_ACTIVATION = "activation at CB"  # sent down by the USL server: recorded only when the strategy reports it
+SECOND_CUT_ACTIVATION = "activation at CB"  # sent down by the USL server, named so a threat model records it
 ADAPTER_UPDATE = "adapter update"
-GLOBAL_ADAPTERS = "global adapters"  # sent down by the FL server: recorded only when the strategy reports it
+GLOBAL_ADAPTERS = "global adapters"  # sent down by the FL server, named so a threat model records it
 
 
 class MissingObservationError(LookupError):
@@ -86,10 +86,10 @@ def _read_index(path: Path) -> list[RecordedTransfer]:
 class Recorder:
     """A wire observer that writes what the server received into a recording, up to a cap.
 
-    Register it for a run through strategies.app.OBSERVER_FACTORIES with
-    `Recorder.factory(...)`. An adversarial strategy that also wants what it *sent*
-    recorded (FL's global adapters, USL's activation at CB) calls `record(...,
-    direction="down")`.
+    A run records itself under `threat.model` passive or active-fsha (strategies.adversarial),
+    which subscribes it with `Wire.subscribe(recorder, sent=True)`: it then also gets what the
+    server *sent* and the strategy names (FL's global adapters, USL's activation at CB),
+    recorded with direction "down". `Recorder.factory(...)` makes one for a run folder.
     """
 
     def __init__(
@@ -133,7 +133,8 @@ class Recorder:
         return make
 
     def __call__(self, transfer: Transfer) -> None:
-        self.record(transfer.round, transfer.client, transfer.kind, transfer.tensors, num_bytes=transfer.num_bytes)
+        self.record(transfer.round, transfer.client, transfer.kind, transfer.tensors,
+                    direction=transfer.direction, num_bytes=transfer.num_bytes)
 
     def record(
         self,

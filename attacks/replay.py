@@ -3,8 +3,9 @@
     result = replay("~/qpriv-runs/usl-run", "fora", options={"decoder_steps": 3000})
 
 builds what the attacker may know from the run's config (the public model with the
-run's seeded adapters, tokenizer, cuts), draws its auxiliary data from the test split
-— never a row the clients train on or score on, nor one of their images — fits the
+run's seeded adapters, tokenizer, cuts), draws its auxiliary data from the run's
+`threat.aux_split` (the test split by default) — never a row the clients train on or
+score on, nor one of their images — fits the
 attack, runs it on the recording, scores it against the run's truth and saves the
 result under `<run folder>/attacks/`.
 """
@@ -24,7 +25,7 @@ from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.recording import Recording
 from attacks.truth import RunTruth, run_texts
 from sims.schema import SimConfig, load_config
-from training.model import load_party_model
+from training.model import PartyModel, load_party_model
 from training.store import PrivateStore
 from vlm.cuts import split_layers
 from vlm.lora import load_owner_state_dict
@@ -32,7 +33,6 @@ from vlm.mini.tokenizer import build_word_tokenizer
 from vqa import VQASample, load_vqa
 
 ATTACK_FOLDER = "attacks"
-DEFAULT_AUX_LIMIT = 512
 # The server's segment per paradigm (vlm.cuts owners); its adapters are in the server's checkpoint.
 SERVER_OWNER = {"sl": "server", "usl": "body", "fl": "all"}
 
@@ -48,13 +48,15 @@ class ReplayContext:
     partition: int = 0
 
 
-def knowledge_for_run(config: SimConfig, truth: RunTruth) -> AttackerKnowledge:
+def knowledge_for_run(config: SimConfig, truth: RunTruth, party: PartyModel | None = None) -> AttackerKnowledge:
     """The public model with the run's seeded (untrained) adapters, its tokenizer and cuts.
 
-    Offline profiles without a tokenizer of their own use the word tokenizer the clients
-    build from the run's data — the stand-in for a public tokenizer.
+    `party` is that model when the caller already holds it (a hijacking server, whose own
+    adapters never train); by default it is loaded. Offline profiles without a tokenizer of
+    their own use the word tokenizer the clients build from the run's data — the stand-in
+    for a public tokenizer.
     """
-    party = load_party_model(config)
+    party = party or load_party_model(config)
     tokenizer = party.bundle.tokenizer or build_word_tokenizer(run_texts([*truth.train_all, *truth.test_all]))
     return AttackerKnowledge(
         model=party.model.eval(), tokenizer=tokenizer, preprocess_images=party.bundle.preprocess_images,
@@ -65,14 +67,15 @@ def knowledge_for_run(config: SimConfig, truth: RunTruth) -> AttackerKnowledge:
 
 
 def auxiliary_samples(config: SimConfig, truth: RunTruth, limit: int, seed: int = 1) -> list[VQASample]:
-    """`limit` test-split rows whose images no client trains on or scores on."""
-    data = config.data
+    """`limit` rows of the run's `threat.aux_split` whose images no client trains on or scores on."""
+    data, split = config.data, config.threat.aux_split
     taken = {s.image_id for s in [*truth.train_all, *truth.test_all]}
-    pool = load_vqa(data.dataset, data.test_split, data.source or None, limit=limit + len(truth.test_all),
-                    seed=data.seed + seed)
+    # Enough rows that `limit` remain after the clients' own rows of this split are left out.
+    clients_rows = {data.train_split: truth.train_all, data.test_split: truth.test_all}.get(split, [])
+    pool = load_vqa(data.dataset, split, data.source or None, limit=limit + len(clients_rows), seed=data.seed + seed)
     aux = [s for s in pool if s.image_id not in taken][:limit]
     if not aux:
-        raise ValueError(f"no auxiliary rows left in {data.dataset}/{data.test_split} outside the clients' data")
+        raise ValueError(f"no auxiliary rows left in {data.dataset}/{split} outside the clients' data")
     return aux
 
 
@@ -108,12 +111,13 @@ def replay(
     attack: str,
     *,
     options: Mapping[str, Any] | None = None,
-    aux_limit: int = DEFAULT_AUX_LIMIT,
+    aux_limit: int | None = None,
     node_partitions: Mapping[int, int] | None = None,
     partition: int = 0,
     output: str | Path | None = None,
 ) -> AttackResult:
-    """Fit `attack` on auxiliary data, run it on the run's recording, score and save it."""
+    """Fit `attack` on auxiliary data (`aux_limit` rows; None: the run's `threat.aux_limit`, the
+    public data its server had), run it on the run's recording, score and save it."""
     folder = Path(run_folder).expanduser()
     recording = Recording.open(folder)
     if not recording.config:
@@ -122,7 +126,7 @@ def replay(
     truth = RunTruth.from_run_folder(folder, node_partitions)
     knowledge = knowledge_for_run(config, truth)
     instance = build_attack(attack, knowledge, **dict(options or {}))
-    instance.fit(auxiliary_samples(config, truth, aux_limit))
+    instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit if aux_limit is None else aux_limit))
     instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
     result = instance.run(recording, truth)
     result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
-from vqa import dataset_names
+from vqa import dataset_names, get_adapter
 from wire import WIRE_DTYPES
 
 PARADIGMS = ("cl", "fl", "sl", "usl")
@@ -27,6 +27,9 @@ PARTITIONS = ("iid", "dirichlet")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_STAGES = ("base", "vqa", "random")
+# The server's threat model, and the paradigms it can act in: a passive server records what
+# crosses a wire (none does in CL); FSHA hijacks the client's front through the first cut.
+THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl"), "active-fsha": ("sl", "usl")}
 # Keys that may change when a run resumes (a longer run, a different timeout).
 RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume")
 
@@ -133,6 +136,28 @@ class FaultsConfig:
 
 
 @dataclass
+class ThreatConfig:
+    # none: an honest server. passive: honest-but-curious, it records what it receives (and
+    # what it sends that attacks replay) into <run>/recording/. active-fsha: it also replaces
+    # its own segment with FSHA's networks and returns their gradient at the first cut.
+    model: str = "none"
+    # The recording's caps: bytes of stored tensors, and samples (0: no sample cap).
+    max_bytes: int = 2 * 1024**3
+    max_samples: int = 0
+    # The attacker's public data: rows of this split of data.dataset whose images no client
+    # trains or scores on (also what `python -m attacks run` trains on).
+    aux_split: str = "test"
+    aux_limit: int = 512
+    # FSHA: pilot/decoder autoencoder steps on the public data before the first hijacked step,
+    # discriminator updates per hijacked step, decoder width, public batch size, networks' seed.
+    fsha_pretrain_steps: int = 500
+    fsha_discriminator_steps: int = 3
+    fsha_decoder_width: int = 128
+    fsha_batch_size: int = 32
+    fsha_seed: int = 0
+
+
+@dataclass
 class OutputConfig:
     # Run folders go to root/name; "" for root: ~/qpriv-runs.
     root: str = ""
@@ -153,6 +178,7 @@ class SimConfig:
     wire: WireConfig = field(default_factory=WireConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    threat: ThreatConfig = field(default_factory=ThreatConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     @property
@@ -263,10 +289,35 @@ def validate(config: SimConfig) -> None:
     _at_least("eval.max_new_tokens", config.eval.max_new_tokens, 1)
     _choice("wire.dtype", config.wire.dtype, sorted(WIRE_DTYPES))
     _validate_pruning(config.pruning, profile.name)
+    _validate_threat(config)
     if not config.faults.timeout_s > 0:
         raise ConfigError("faults.timeout_s", config.faults.timeout_s, "> 0 seconds")
     if not config.output.name or "/" in config.output.name:
         raise ConfigError("output.name", config.output.name, "a non-empty folder name without '/'")
+
+
+def _validate_threat(config: SimConfig) -> None:
+    threat = config.threat
+    _choice("threat.model", threat.model, list(THREAT_PARADIGMS))
+    paradigms = THREAT_PARADIGMS[threat.model]
+    if config.paradigm not in paradigms:
+        raise ConfigError(
+            "threat.model", threat.model, f"a threat model of paradigm {config.paradigm}: "
+            + ", ".join(name for name, allowed in THREAT_PARADIGMS.items() if config.paradigm in allowed)
+        )
+    _at_least("threat.max_bytes", threat.max_bytes, 0)
+    _at_least("threat.max_samples", threat.max_samples, 0)
+    _choice("threat.aux_split", threat.aux_split, get_adapter(config.data.dataset).splits)
+    for key in ("aux_limit", "fsha_pretrain_steps", "fsha_discriminator_steps", "fsha_decoder_width", "fsha_batch_size"):
+        _at_least(f"threat.{key}", getattr(threat, key), 1)
+    # The hijack trains on public data before the first step: a split the clients hold whole leaves none.
+    client_splits = {config.data.train_split: "train_limit", config.data.test_split: "test_limit"}
+    limit_key = client_splits.get(threat.aux_split)
+    if threat.model == "active-fsha" and limit_key and getattr(config.data, limit_key) == 0:
+        raise ConfigError(
+            f"data.{limit_key}", 0, f"> 0 under threat.model=active-fsha: the attacker's public data is the rest of "
+            f"the {threat.aux_split!r} split (threat.aux_split), and 0 gives all of it to the clients"
+        )
 
 
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:

@@ -3,7 +3,8 @@
 Order matters: the config is validated before anything loads, the run folder's
 status says "running" before the model loads, and any failure — bad config aside,
 which has no folder yet — ends as status "failed" with its reason, because
-`flwr run --stream` exits 0 either way.
+`flwr run --stream` exits 0 either way. `threat.model` puts the adversarial server
+around the strategy (strategies.adversarial).
 """
 
 import logging
@@ -14,6 +15,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from sims.schema import SimConfig, load_config
+from strategies.adversarial import FSHAHijack, subscribe_recorder
 from strategies.base import RoundStrategy
 from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
 from strategies.cl import CLStrategy
@@ -27,15 +29,20 @@ log = logging.getLogger(__name__)
 
 app = ServerApp()
 
-# Observers of what the server receives (the attack suite's recorders) register here.
+# Observers of what the server receives register here (a threat model's recorder is added by the config).
 OBSERVER_FACTORIES: list[Callable[[SimConfig, RunFolder], Callable[[Transfer], None]]] = []
 
 
-def build_round_strategy(config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback]) -> RoundStrategy:
+def build_round_strategy(
+    config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback], folder: RunFolder, *, resuming: bool = False
+) -> RoundStrategy:
     if config.paradigm == "cl":
         return CLStrategy(config, wire, callbacks)
     party = load_party_model(config)
     strategy_class = {"sl": SLStrategy, "usl": USLStrategy}[config.paradigm]
+    if config.threat.model == "active-fsha":
+        hijack = FSHAHijack(config, party, folder, pretrain=not resuming)
+        return strategy_class(config, party, wire, [*callbacks, hijack], hijack)
     return strategy_class(config, party, wire, list(callbacks))
 
 
@@ -48,6 +55,7 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
         wire = Wire(config.wire.dtype)
         for factory in OBSERVER_FACTORIES:
             wire.subscribe(factory(config, folder))
+        subscribe_recorder(config, wire, folder)
         first_round = folder.committed_round() + 1
         num_rounds = config.train.rounds
         callbacks = [MetricsLog(folder), Checkpointer(folder), StatusReporter(folder, num_rounds)]
@@ -70,7 +78,7 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
                     evaluate_config=ConfigRecord(),
                 )
         else:
-            strategy = build_round_strategy(config, wire, callbacks)
+            strategy = build_round_strategy(config, wire, callbacks, folder, resuming=checkpoint is not None)
             if checkpoint is not None:
                 strategy.load_state_dict(checkpoint)
             strategy.run(grid, first_round, num_rounds)

@@ -3,7 +3,8 @@
 A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one line
 per round), `checkpoints/` (the server's state after each round), `committed.json`
 (the last round whose checkpoint is complete) and `status.json` (running, finished
-or failed with the reason) — the truth that `flwr run --stream`'s exit code is not.
+or failed with the reason; and the server's threat model) — the truth that
+`flwr run --stream`'s exit code is not.
 """
 
 import json
@@ -66,7 +67,8 @@ class RunFolder:
         return torch.load(self.checkpoint_path(committed), weights_only=True) if committed else None
 
     def write_status(self, state: str, **details: Any) -> None:
-        _write_json(self.path / "status.json", {"state": state, "time": time.time(), **details})
+        status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model, **details}
+        _write_json(self.path / "status.json", status)
 
 
 class MetricsLog:

@@ -6,10 +6,15 @@ travels with the request for step t+1's activation, so a turn of T steps costs
 T+1 round trips in SL and 2T+1 in USL (1 and 2 per step, plus one to open the turn).
 A client that fails loses the rest of its turn; the reason goes into the round's
 record and the next client goes on.
+
+A malicious server is the same strategy with a `CutHijack` injected (threat.model
+active-fsha, strategies.adversarial): every message still flows as the protocol says,
+but the server leaves its own segment untrained and answers each training activation
+at the first cut with the hijack's gradient instead of its own.
 """
 
 from abc import abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from flwr.app import RecordDict
@@ -26,14 +31,33 @@ from vlm.segments import IGNORE_INDEX, next_token_loss, run_decoder_layers
 from wire import Wire, WireError, pack_rows, unpack_rows
 
 
+class CutHijack(Protocol):
+    """What a hijacking server runs instead of its segment (strategies.adversarial.FSHAHijack)."""
+
+    def first_cut_gradient(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The gradient to return for a packed training activation at the first cut (same shape)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class SplitStrategy(RoundStrategy):
     """Base of SL and USL; `owner` names the server's segment (vlm.cuts)."""
 
     owner = "server"
 
-    def __init__(self, config: SimConfig, party: PartyModel, wire: Wire, callbacks: list[RunCallback] = ()) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        party: PartyModel,
+        wire: Wire,
+        callbacks: list[RunCallback] = (),
+        hijack: CutHijack | None = None,
+    ) -> None:
         super().__init__(config, wire, callbacks)
         self.party = party
+        self.hijack = hijack
         self.segment = next(s for s in party.segments if s.owner == self.owner)
         self.parameters = list(owner_lora_parameters(party.model, self.segment).values())
         self.optimizer = make_optimizer(self.parameters, config)
@@ -41,11 +65,16 @@ class SplitStrategy(RoundStrategy):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"lora": owner_state_dict(self.party.model, self.segment), "optim": self.optimizer.state_dict()}
+        state = {"lora": owner_state_dict(self.party.model, self.segment), "optim": self.optimizer.state_dict()}
+        if self.hijack is not None:
+            state["hijack"] = self.hijack.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_owner_state_dict(self.party.model, self.segment, state["lora"])
         self.optimizer.load_state_dict(state["optim"])
+        if self.hijack is not None:
+            self.hijack.load_state_dict(state["hijack"])
 
     # -- the received activation -------------------------------------------------------------
     def activation_expectation(self, training: bool) -> dict:
@@ -118,11 +147,21 @@ class SplitStrategy(RoundStrategy):
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         """One training step from the client's activation; returns the next reply, the loss and the tokens."""
 
-    def server_update(self, outputs: torch.Tensor, grad_outputs: torch.Tensor | None) -> None:
-        """Backward from the server's outputs (a loss, or rows with their gradient), then step."""
+    def first_cut_gradient(
+        self, received: dict[str, torch.Tensor], rows: torch.Tensor, outputs: torch.Tensor, grad_outputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The gradient the client's front gets for its activation `received` (computed from `rows`).
+
+        An honest server backpropagates from its outputs (a loss, or rows with their
+        gradient), steps its segment and returns its own gradient; a hijacking one does
+        neither and returns the hijack's.
+        """
+        if self.hijack is not None:
+            return self.hijack.first_cut_gradient(received["rows"], received["lengths"])
         self.optimizer.zero_grad(set_to_none=True)
         outputs.backward(grad_outputs)
         self.optimizer.step()
+        return rows.grad
 
     # -- evaluation: greedy decoding through the cuts, scored by each client -----------------
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
@@ -164,15 +203,15 @@ class USLStrategy(SplitStrategy):
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
         received = self.receive_activation(round_, node, "activation at CA", reply)
         rows_in, rows_out = self.body(received)
-        tail_reply = self.exchange(grid, node, round_, protocol.USL_TAIL, {}, {"rows": rows_out})
+        tail_reply = self.exchange(
+            grid, node, round_, protocol.USL_TAIL, {}, {"rows": rows_out}, kind="activation at CB"
+        )
         grad_cb = self.wire.received(
             round_, node, "gradient at CB", tail_reply, {"grad": (tuple(rows_out.shape), "float")}
         )["grad"]
-        self.server_update(rows_out, self.compute_rows(grad_cb))
+        grad_ca = self.first_cut_gradient(received, rows_in, rows_out, self.compute_rows(grad_cb))
         loss = float(tail_reply.metric_records[protocol.METRICS]["loss"])
-        next_reply = self.exchange(
-            grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {"grad": rows_in.grad}
-        )
+        next_reply = self.exchange(grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {"grad": grad_ca})
         return next_reply, loss, received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
@@ -222,8 +261,8 @@ class SLStrategy(SplitStrategy):
         for sample, answer in enumerate(torch.split(received["answers"].to(torch.long), answer_lengths.tolist())):
             labels[sample, labels.shape[1] - answer.numel() :] = answer
         loss = next_token_loss(logits, labels)
-        self.server_update(loss, None)
-        next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": rows.grad})
+        grad = self.first_cut_gradient(received, rows, loss, None)
+        next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": grad})
         return next_reply, loss.detach().item(), received["rows"].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:

@@ -51,6 +51,14 @@ def test_the_paper_sim_holds_the_paper_settings():
         ({"train.rounds": "many"}, "train.rounds", "type"),
         ({"train.lr": 0.0}, "train.lr", "> 0"),
         ({"trian.rounds": 3}, "trian.rounds", "train.rounds"),
+        ({"threat.model": "malicious"}, "threat.model", "none, passive, active-fsha"),
+        ({"paradigm": "cl", "clients.count": 1, "threat.model": "passive"}, "threat.model", "of paradigm cl: none"),
+        ({"paradigm": "fl", "threat.model": "active-fsha"}, "threat.model", "of paradigm fl: none, passive"),
+        ({"threat.max_bytes": -1}, "threat.max_bytes", ">= 0"),
+        ({"threat.aux_split": "validation"}, "threat.aux_split", "train, test"),
+        ({"threat.fsha_pretrain_steps": 0}, "threat.fsha_pretrain_steps", ">= 1"),
+        ({"threat.model": "active-fsha", "data.test_limit": 0}, "data.test_limit", "public data is the rest"),
+        ({"threat.model": "active-fsha", "threat.aux_split": "train"}, "data.train_limit", "threat.aux_split"),
     ],
 )
 def test_a_wrong_value_names_key_value_and_allowed(overrides, key, allowed):

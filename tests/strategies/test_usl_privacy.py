@@ -1,5 +1,6 @@
 """What a USL server receives: the two cuts' traffic, nothing about the inputs or outputs."""
 
+import pytest
 from flwr.app import Message
 
 from clients.app import app as client_app
@@ -9,8 +10,11 @@ from strategies import app as server_app
 from strategies.app import run
 
 
-def test_the_server_receives_only_cut_activations_and_gradients(run_config, fake_grid, monkeypatch):
-    raw = run_config(**{"train.steps_per_round": 2, "eval.every": 1})
+# A hijacking server (FSHA) answers with other gradients, but receives exactly what an honest one does.
+@pytest.mark.parametrize("threat", ["none", "active-fsha"])
+def test_the_server_receives_only_cut_activations_and_gradients(threat, run_config, fake_grid, monkeypatch):
+    raw = run_config(**{"train.steps_per_round": 2, "eval.every": 1, "threat.model": threat,
+                        "threat.fsha_pretrain_steps": 20, "threat.fsha_decoder_width": 16, "threat.aux_limit": 32})
     grid = fake_grid(client_app, raw, 2)
     replies: list[Message] = []
     for node in (1, 2):
