@@ -8,7 +8,8 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 run: setup
-	.venv/bin/qpriv-mini evaluate
+	.venv/bin/qpriv-mini build
+	.venv/bin/python -m sims.launch sims/usl_easyvqa
 
 mini-targets: setup
 	.venv/bin/python benchmarks/mini_targets.py
