@@ -16,7 +16,7 @@ class MiniRecipe:
     lr_decay_share: float = 0.25
     # Stage 1, vision pretraining (stand-in for CLIP's): shape and colour from the
     # patch features LLaVA actually reads (the vision feature layer), so they carry both.
-    vision_steps: int = 1200
+    vision_steps: int = 2000
     vision_batch_size: int = 64
     vision_lr: float = 3e-3
     vision_max_shift: int = 6
