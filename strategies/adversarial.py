@@ -73,7 +73,8 @@ class FSHAHijack:
         self.path = folder.path / ATTACK_FOLDER / STATE_FILE
 
     def first_cut_gradient(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.attack.gradients_for_packed(rows, lengths, self.spans)
+        # Detached: the USL body ran on these very rows and left them requiring grad.
+        return self.attack.gradients_for_packed(rows.detach(), lengths, self.spans)
 
     def state_dict(self) -> dict[str, Any]:
         return self.attack.state_dict()

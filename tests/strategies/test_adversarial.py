@@ -126,10 +126,10 @@ def test_a_bad_threat_config_fails_before_any_model_loads(run_config, fake_grid,
     assert not (tmp_path / "run").exists()
 
 
-def first_cut_gradients(paradigm: str, threat: str, run_config, fake_grid) -> tuple[list[torch.Tensor], object]:
+def first_cut_gradients(paradigm: str, threat: str, pruning: dict, run_config, fake_grid) -> tuple[list[torch.Tensor], object]:
     """The gradients client 1 got at the first cut in a one-step run, and the run folder."""
     backward = {"usl": protocol.USL_HEAD, "sl": protocol.SL_BACKWARD}[paradigm]
-    raw = run_config(paradigm=paradigm, **{"threat.model": threat, "output.name": threat, **FAST_FSHA})
+    raw = run_config(paradigm=paradigm, **{"threat.model": threat, "output.name": threat, **pruning, **FAST_FSHA})
     grid = fake_grid(client_app, raw, 2)
     grads = []
 
@@ -142,10 +142,14 @@ def first_cut_gradients(paradigm: str, threat: str, run_config, fake_grid) -> tu
     return grads, run(grid, load_config(raw))
 
 
-@pytest.mark.parametrize("paradigm", ["usl", "sl"])
-def test_an_fsha_server_returns_its_own_gradient_and_leaves_its_segment_untrained(paradigm, run_config, fake_grid):
-    honest, honest_folder = first_cut_gradients(paradigm, "passive", run_config, fake_grid)
-    hijacked, folder = first_cut_gradients(paradigm, "active-fsha", run_config, fake_grid)
+# Under pruning the server finds where each sample's kept visual rows end (attacks.observations.VisualSpans).
+@pytest.mark.parametrize(("paradigm", "prune_ratio"), [("usl", 0.0), ("sl", 0.0), ("usl", 0.5)])
+def test_an_fsha_server_returns_its_own_gradient_and_leaves_its_segment_untrained(
+    paradigm, prune_ratio, run_config, fake_grid
+):
+    pruning = {"pruning.policy": "fixed", "pruning.ratio": prune_ratio} if prune_ratio else {}
+    honest, honest_folder = first_cut_gradients(paradigm, "passive", pruning, run_config, fake_grid)
+    hijacked, folder = first_cut_gradients(paradigm, "active-fsha", pruning, run_config, fake_grid)
     assert status(folder)["state"] == "finished" and status(folder)["threat_model"] == "active-fsha"
     assert (folder.path / ATTACK_FOLDER / STATE_FILE).is_file()
 
@@ -154,10 +158,10 @@ def test_an_fsha_server_returns_its_own_gradient_and_leaves_its_segment_untraine
     assert honest_grad.shape == fsha_grad.shape and not torch.allclose(honest_grad, fsha_grad)
     lengths = Recording.open(folder.path).tensors(Recording.open(folder.path).select(
         {"usl": "activation at CA", "sl": "activation at C"}[paradigm])[0])["lengths"]
-    prefix, visual = 2, TINY.num_patches  # "USER:" and every patch (no pruning)
+    prefix, visual = 2, round(TINY.num_patches * (1 - prune_ratio))  # "USER:" and the kept patches
     for honest_sample, sample in zip(split_packed(honest_grad, lengths), split_packed(fsha_grad, lengths), strict=True):
         # The honest gradient reaches the question's rows; FSHA's only the image's.
-        assert sample[prefix : prefix + visual].abs().sum(-1).gt(0).all()
+        assert sample[prefix : prefix + visual].abs().sum(-1).gt(0).all() and sample[:prefix].abs().sum() == 0
         assert sample[prefix + visual :].abs().sum() == 0 and honest_sample[prefix + visual :].abs().sum() > 0
 
     # The hijacking server never trained its segment: its adapters are still the seeded ones.
