@@ -227,7 +227,7 @@ class Recording:
         if not (folder / HEADER_FILE).exists():
             raise FileNotFoundError(
                 f"{path} is neither a recording ({HEADER_FILE} missing) nor a run folder with a "
-                f"{RECORDING_FOLDER}/ inside; record a run with attacks.recording.Recorder.factory()"
+                f"{RECORDING_FOLDER}/ inside; record a run with threat.model=\"passive\" (or \"active-fsha\")"
             )
         header = json.loads((folder / HEADER_FILE).read_text())
         if header.get("format") != FORMAT_VERSION:
