@@ -187,7 +187,9 @@ class PruningRecord:
                     raise ValueError(f"reply metric {key}={value!r} is not a count")
                 values[field_name] = int(value)
             else:
-                values[field_name] = tuple(value) if isinstance(value, list) else ()
+                if not isinstance(value, list):
+                    raise ValueError(f"reply metric {key}={value!r} is not a list")
+                values[field_name] = tuple(value)
         kept = values["kept_tokens"]
         if any(not 0 < count <= values["num_patches"] for count in kept):
             raise ValueError(f"reply metric {RECORD_PREFIX}kept_tokens has counts outside [1, {values['num_patches']}]")

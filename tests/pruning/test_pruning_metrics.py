@@ -1,4 +1,4 @@
-"""Exclusion ratio and keep-count summaries, including the cases where a ratio is undefined."""
+"""Exclusion ratio, keep-count summaries (including where a ratio is undefined) and the per-round pruning record."""
 
 import math
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pruning import (
+    PruningRecord,
     sensitivity_exclusion_ratios,
     summarize_exclusion,
     summarize_keep_counts,
@@ -52,3 +53,45 @@ def test_the_keep_count_summary_describes_the_distribution():
     assert set(summary.as_metrics("kept")) == {f"kept_{name}" for name in ("count", "mean", "std", "min", "q25", "median", "q75", "max", "mean_share")}
     with pytest.raises(ValueError, match="no keep counts"):
         summarize_keep_counts([], num_patches=64)
+
+
+def test_a_pruning_record_counts_kept_tokens_exclusion_and_mark_removal():
+    sensitivity = torch.tensor([[0.9, 0.1, 0.1, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    keep = [torch.tensor([1, 2]), torch.tensor([0, 1, 2, 3])]
+    record = PruningRecord.of_batch(keep, 4, sensitivity=sensitivity, marks=[(0, 3), ()])
+    assert record.kept_tokens == (2, 4)
+    assert record.exclusion_ratios == pytest.approx((9.0,)) and record.exclusion_undefined == 1
+    assert (record.mark_patches, record.mark_patches_removed) == (2, 2)
+    metrics = record.as_round_metrics()
+    assert metrics["kept_tokens_mean"] == 3 and metrics["patches_removed_share"] == 2 / 8
+    assert metrics["mark_patches_removed_share"] == 1.0 and metrics["exclusion_ratio_mean"] == pytest.approx(9.0)
+
+
+def test_pruning_records_merge_and_cross_the_message_boundary_intact():
+    first = PruningRecord.of_batch([torch.tensor([0])], 4, marks=[(0, 1)])
+    second = PruningRecord.of_batch([torch.tensor([0, 1, 2])], 4)
+    merged = first.merge(second)
+    assert merged == PruningRecord.from_message_metrics(merged.as_message_metrics())
+    assert merged.kept_tokens == (1, 3) and (merged.mark_patches, merged.mark_patches_removed) == (2, 1)
+    assert merged.as_round_metrics()["exclusion_ratio_mean"] is None  # no sensitivity map: undefined, not 0
+    with pytest.raises(ValueError, match="64 patches"):
+        first.merge(PruningRecord(num_patches=64))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("pruning.kept_tokens", [0], "outside"),
+        ("pruning.kept_tokens", [5], "outside"),
+        ("pruning.kept_tokens", 3, "not a list"),
+        ("pruning.mark_patches", -1, "not a count"),
+        ("pruning.mark_patches", 1.5, "not a count"),
+    ],
+)
+def test_a_malformed_pruning_record_from_a_client_is_refused_naming_the_key(key, value, problem):
+    metrics = PruningRecord.of_batch([torch.tensor([0, 1])], 4).as_message_metrics() | {key: value}
+    with pytest.raises(ValueError, match=problem):
+        PruningRecord.from_message_metrics(metrics)
+    del metrics[key]
+    with pytest.raises(KeyError, match=key):
+        PruningRecord.from_message_metrics(metrics)
