@@ -69,7 +69,7 @@ def test_a_missing_observation_is_named_with_what_the_recording_holds(tmp_path):
         recording.require("gradient at CB", attack="idlg")
     with pytest.raises(MissingObservationError, match="only SL and USL runs send"):
         recording.first_cut_kind(attack="fora")
-    with pytest.raises(FileNotFoundError, match="Recorder.factory"):
+    with pytest.raises(FileNotFoundError, match="threat.model=\"passive\""):
         Recording.open(tmp_path / "nowhere")
 
 
