@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
+from vqa.errors import RowProblem, VQADataError
+
 # Transparent pixels become white, the background a viewer would show.
 _BACKGROUND = (255, 255, 255)
 _ALPHA_MODES = frozenset({"RGBA", "LA", "La", "RGBa", "PA"})
@@ -64,6 +66,15 @@ class ImageRef(Protocol):
     def open(self) -> Image.Image: ...
 
     def describe(self) -> str: ...
+
+
+def open_row_image(ref: ImageRef, *, dataset: str, split: str, row: int, item_id: str) -> Image.Image:
+    """Decode `ref` (RGB); a failure names the row's dataset, split and row."""
+    try:
+        return ref.open()
+    except Exception as err:  # any decoder failure here is a data problem of this row
+        problem = f"unreadable image ({ref.describe()}): {err}"
+        raise VQADataError.for_rows(dataset, split, [RowProblem(row, item_id, problem)]) from err
 
 
 @dataclass(frozen=True)

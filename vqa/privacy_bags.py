@@ -36,7 +36,7 @@ from PIL import Image
 from vqa.adapters.easyvqa_stamped import StampedEasyVQAImage, stamped_adapter
 from vqa.adapters.hub_tables import image_cells, undecoded_image_column
 from vqa.errors import RowProblem, VQADataError
-from vqa.images import DatasetRowImage, ImageRef
+from vqa.images import DatasetRowImage, ImageRef, open_row_image
 from vqa.registry import select_rows
 from vqa.sources import open_hf_split, require_columns
 
@@ -63,13 +63,9 @@ class BagImage:
     @property
     def image(self) -> Image.Image:
         """The decoded RGB image; a failure names this image's set, split and row."""
-        try:
-            return self.image_ref.open()
-        except Exception as err:  # any decoder failure here is a data problem of this row
-            problem = f"unreadable image ({self.image_ref.describe()}): {err}"
-            raise VQADataError.for_rows(
-                self.dataset, self.split, [RowProblem(self.source_row, self.id, problem)]
-            ) from err
+        return open_row_image(
+            self.image_ref, dataset=self.dataset, split=self.split, row=self.source_row, item_id=self.id
+        )
 
 
 class BagTable(Protocol):

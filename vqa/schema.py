@@ -9,7 +9,7 @@ from typing import Literal, overload
 from PIL import Image
 
 from vqa.errors import RowProblem, VQADataError
-from vqa.images import ImageRef
+from vqa.images import ImageRef, open_row_image
 
 AnswerType = Literal["closed", "open"]
 ANSWER_TYPES: tuple[AnswerType, ...] = ("closed", "open")
@@ -41,13 +41,9 @@ class VQASample:
     @property
     def image(self) -> Image.Image:
         """The decoded RGB image; a failure names this sample's dataset, split and row."""
-        try:
-            return self.image_ref.open()
-        except Exception as err:  # any decoder failure here is a data problem of this row
-            problem = f"unreadable image ({self.image_ref.describe()}): {err}"
-            raise VQADataError.for_rows(
-                self.dataset, self.split, [RowProblem(self.source_row, self.id, problem)]
-            ) from err
+        return open_row_image(
+            self.image_ref, dataset=self.dataset, split=self.split, row=self.source_row, item_id=self.id
+        )
 
 
 class VQADataset(Sequence[VQASample]):
