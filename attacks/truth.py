@@ -5,12 +5,15 @@ rebuilds it for a recorded run from the run's config, exactly as the clients bui
 their data (clients/runtime.py): the same datasets, partitions and tokenizer, and the
 batch of each training step from the seeded order (training.batches.batch_positions).
 A split client's step is located by the transfer's round and occurrence; an FL
-update covers its round's T_l steps.
+update covers its round's T_l steps. Under pruning, the patches each sample sent are
+the run's own selector applied again to that step's samples (every policy is a
+deterministic function of the image and the question).
 """
 
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -21,8 +24,13 @@ from attacks.recording import (
     SECOND_CUT_GRADIENT,
     RecordedTransfer,
 )
+from pruning import VisualTokenSelector
 from sims.schema import SimConfig, load_config
 from training.batches import batch_positions
+from training.model import load_party_model
+from training.selector import build_selector
+from vlm.features import VisionFeatureCache
+from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import get_profile
 from vqa import VQASample, build_prompt, get_adapter, load_vqa, partition_indices
 from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
@@ -63,7 +71,8 @@ class RunTruth:
     Node ids are not partition ids under `flwr run`; pass `node_partitions` (node id ->
     partition id) there. Without it, the in-process grid's numbering (node i holds
     partition i − 1) is assumed, and refused when the recorded node ids do not fit it.
-    Keep sets are known only for unpruned runs (every patch, in order).
+    Keep sets: every patch in order for unpruned runs; otherwise the run's selector
+    (built as the clients built it) applied to the transfer's samples.
     """
 
     # The training transfers whose batch a step's seeded order gives.
@@ -133,10 +142,22 @@ class RunTruth:
 
     def keep_sets(self, entry: RecordedTransfer) -> list[torch.Tensor] | None:
         samples = self.samples(entry)
-        if samples is None or self.config.pruning.policy != "off":
+        if samples is None:
             return None
-        patches = get_profile(self.config.model.profile).num_patches
-        return [torch.arange(patches) for _ in samples]
+        if self.config.pruning.policy == "off":
+            patches = get_profile(self.config.model.profile).num_patches
+            return [torch.arange(patches) for _ in samples]
+        features, selector = self._victim_selection
+        features.add(samples, progress=False)
+        return [keep.cpu() for keep in selector(features.stack(samples), samples)]
+
+    @cached_property
+    def _victim_selection(self) -> tuple[VisionFeatureCache, VisualTokenSelector]:
+        """The clients' vision features and token selector, rebuilt from the run's config."""
+        party = load_party_model(self.config)
+        tokenizer = party.bundle.tokenizer or build_word_tokenizer(run_texts([*self.train_all, *self.test_all]))
+        features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
+        return features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """Members: every client's training shard. Non-members: the test questions clients score on

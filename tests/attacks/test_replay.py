@@ -3,15 +3,19 @@
 import json
 
 import pytest
+import torch
 
 from attacks import MissingObservationError, Recorder, Recording
 from attacks.cli import main
-from attacks.replay import replay
+from attacks.knowledge import split_packed, visual_rows
+from attacks.replay import knowledge_for_run, replay
+from attacks.truth import RunTruth
 from clients.app import app as client_app
 from sims.inprocess import InProcessGrid
 from sims.schema import load_config
 from strategies import app as server_app
 from strategies.app import run
+from vlm.features import VisionFeatureCache
 
 
 def tiny_run(tmp_path, monkeypatch, **overrides):
@@ -45,3 +49,28 @@ def test_a_recording_without_what_the_attack_needs_is_refused_by_name(tmp_path, 
     # The USL server's own rows at CB are not what it received: only a strategy that reports them records them.
     with pytest.raises(MissingObservationError, match="'activation at CB'.*direction 'down'"):
         main(["run", str(folder), "idlg", "--aux-limit", "8", "-o", "progress=false"])
+
+
+def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(tmp_path, monkeypatch):
+    folder = tiny_run(tmp_path, monkeypatch, **{"train.rounds": 1, "pruning.policy": "fixed", "pruning.ratio": 0.5})
+    recording = Recording.open(folder)
+    truth = RunTruth.from_run_folder(folder)
+    knowledge = knowledge_for_run(truth.config, truth)
+    features = VisionFeatureCache(knowledge.model, knowledge.preprocess_images)
+    prefix = knowledge.prefix_ids.numel()
+    # A client's first step runs its untrained head: the public model's, so the truth's keep
+    # sets must reproduce exactly the visual rows that crossed the cut.
+    first_steps = [e for e in recording.select("activation at CA") if e.occurrence == 0]
+    assert len(first_steps) == 2
+    for entry in first_steps:
+        samples = truth.samples(entry)
+        keep = truth.keep_sets(entry)
+        assert [k.numel() for k in keep] == [8] * len(samples)  # 16 tiny patches, ρ = 0.5
+        features.add(samples, progress=False)
+        stacked = features.stack(samples)
+        tensors = recording.tensors(entry)
+        sent = [rows[prefix : prefix + 8] for rows in split_packed(tensors["rows"], tensors["lengths"])]
+        for chosen, expected in ((keep, True), ([torch.arange(8)] * len(samples), False)):
+            rebuilt = visual_rows(knowledge.model, stacked, knowledge.prefix_ids, knowledge.first_cut, chosen)
+            same = all(torch.allclose(a, b.float(), atol=1e-5) for a, b in zip(rebuilt, sent, strict=True))
+            assert same == expected
