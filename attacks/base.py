@@ -27,6 +27,7 @@ from vqa.stamping import MarkRecord
 
 if TYPE_CHECKING:
     from attacks.replay import ReplayContext
+    from sims.schema import SimConfig
 
 
 class Truth(Protocol):
@@ -83,15 +84,22 @@ class Attack(ABC):
         self.knowledge = knowledge
         self.options = self.Options(**options)
 
+    @classmethod
+    def options_from_run(cls, config: "SimConfig") -> dict[str, Any]:
+        """Options a run's config sets (a replay's own override them): an active attack is
+        rebuilt as the server that ran, with that server's settings."""
+        return {}
+
     @abstractmethod
     def fit(self, aux: Sequence[VQASample]) -> "Attack":
         """Train what does not depend on the observations, on public (auxiliary) samples."""
 
     def prepare_replay(self, run: "ReplayContext") -> None:
-        """Take from a recorded run what this attack needs besides the recording (after `fit`).
+        """Take from a recorded run what this attack needs besides the recording (before `fit`).
 
-        Passive attacks need nothing more; an active attack reloads the server state it
-        kept during the run, a query attack gets its target model.
+        Passive attacks need nothing more; an active attack takes the server state it kept
+        during the run (so `fit` need not train what that state replaces), a query attack
+        gets its target model.
         """
 
     @abstractmethod

@@ -36,6 +36,7 @@ from attacks.networks import (
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
 from attacks.replay import ATTACK_FOLDER, ReplayContext
+from sims.schema import SimConfig
 from vqa import VQASample
 
 STATE_FILE = "fsha.pt"
@@ -63,6 +64,9 @@ class FSHA(Attack):
     threat_model = "active"
     Options = FSHAOptions
 
+    # A hijacked run's saved server state (prepare_replay), loaded by `fit` in place of pre-training.
+    saved_state: Path | None = None
+
     def fit(self, aux: Sequence[VQASample]) -> "FSHA":
         """Build the server's networks and pre-train pilot and decoder as an autoencoder on `aux`."""
         k, o = self.knowledge, self.options
@@ -81,6 +85,8 @@ class FSHA(Attack):
             self.discriminator.parameters(), lr=o.discriminator_lr, betas=(0.5, 0.9)
         )
         self.generator = torch.Generator().manual_seed(o.seed)
+        if self.saved_state is not None:
+            return self.load_state(self.saved_state)
         for _ in tqdm(range(o.pretrain_steps), desc="FSHA pilot/decoder", disable=not o.progress):
             self._autoencoder_step()
         return self
@@ -219,15 +225,24 @@ class FSHA(Attack):
         """Restore `save_state`'s file."""
         return self.load_state_dict(torch.load(path, weights_only=True))
 
+    @classmethod
+    def options_from_run(cls, config: SimConfig) -> dict:
+        """The hijacking server's settings (strategies.adversarial builds it from these too)."""
+        threat = config.threat
+        return {"pretrain_steps": threat.fsha_pretrain_steps, "decoder_width": threat.fsha_decoder_width,
+                "discriminator_steps": threat.fsha_discriminator_steps, "batch_size": threat.fsha_batch_size,
+                "seed": threat.fsha_seed}
+
     def prepare_replay(self, run: ReplayContext) -> None:
-        """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`)."""
+        """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`): `fit`
+        builds the networks and loads them instead of pre-training."""
         path = run.folder / ATTACK_FOLDER / STATE_FILE
         if not path.exists():
             raise FileNotFoundError(
                 f"FSHA is active: decoding a run needs the server state the hijacked run saved with "
                 f"FSHA.save_state at {path}; a run without the hijack has none"
             )
-        self.load_state(path)
+        self.saved_state = path
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k, o = self.knowledge, self.options

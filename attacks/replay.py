@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attacks.base import AttackResult, build_attack
+from attacks.base import Attack, AttackResult, attack_class, build_attack
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.recording import Recording
 from attacks.truth import RunTruth, run_texts
@@ -30,6 +30,7 @@ from training.store import PrivateStore
 from vlm.cuts import split_layers
 from vlm.lora import load_owner_state_dict
 from vlm.mini.tokenizer import build_word_tokenizer
+from vlm.profiles import get_profile
 from vqa import VQASample, load_vqa
 
 ATTACK_FOLDER = "attacks"
@@ -108,7 +109,7 @@ def final_model(run: ReplayContext) -> nn.Module:
 
 def replay(
     run_folder: str | Path,
-    attack: str,
+    attack: str | Attack,
     *,
     options: Mapping[str, Any] | None = None,
     aux_limit: int | None = None,
@@ -117,19 +118,39 @@ def replay(
     output: str | Path | None = None,
 ) -> AttackResult:
     """Fit `attack` on auxiliary data (`aux_limit` rows; None: the run's `threat.aux_limit`, the
-    public data its server had), run it on the run's recording, score and save it."""
+    public data its server had), run it on the run's recording, score and save it.
+
+    `attack` may also be an attack already fitted for another run of the same model and cuts
+    (a sweep over pruning policies fits a passive attack once); it is then only run, and
+    `options` and `aux_limit` do not apply."""
     folder = Path(run_folder).expanduser()
     recording = Recording.open(folder)
     if not recording.config:
         raise ValueError(f"{recording.folder} has no run config in its header: replay needs a run's recording")
     config = load_config(recording.config)
     truth = RunTruth.from_run_folder(folder, node_partitions)
-    knowledge = knowledge_for_run(config, truth)
-    instance = build_attack(attack, knowledge, **dict(options or {}))
-    instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit if aux_limit is None else aux_limit))
-    instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+    if isinstance(attack, Attack):
+        instance, knowledge = attack, attack.knowledge
+        _check_fitted_for(instance, config)
+        instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+    else:
+        knowledge = knowledge_for_run(config, truth)
+        instance = build_attack(attack, knowledge, **(attack_class(attack).options_from_run(config) | dict(options or {})))
+        instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+        instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit if aux_limit is None else aux_limit))
     result = instance.run(recording, truth)
     result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,
                              "pruning": config.pruning.policy, "profile": config.model.profile}
     result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
     return result
+
+
+def _check_fitted_for(attack: Attack, config: SimConfig) -> None:
+    """A fitted attack carries its run's public model and cuts; another run must share them."""
+    expected = (get_profile(config.model.profile).num_layers, tuple(config.cuts))
+    found = (attack.knowledge.num_layers, tuple(attack.knowledge.cuts))
+    if found != expected:
+        raise ValueError(
+            f"{attack.name} was fitted for a model of {found[0]} layers cut at {found[1]}; this run "
+            f"({config.paradigm}, profile {config.model.profile!r}) has {expected[0]} layers cut at {expected[1]}"
+        )

@@ -56,16 +56,11 @@ class FSHAHijack:
         aux = auxiliary_samples(config, truth, threat.aux_limit)
         # The server's own model is the public one: a hijacking server never trains its adapters.
         knowledge = knowledge_for_run(config, truth, party)
-        self.attack = FSHA(
-            knowledge,
-            # On resume the checkpoint's state replaces the networks: pre-training them would be thrown away.
-            pretrain_steps=threat.fsha_pretrain_steps if pretrain else 0,
-            discriminator_steps=threat.fsha_discriminator_steps,
-            decoder_width=threat.fsha_decoder_width,
-            batch_size=threat.fsha_batch_size,
-            seed=threat.fsha_seed,
-            progress=False,
-        ).fit(aux)
+        options = FSHA.options_from_run(config) | {"progress": False}
+        # On resume the checkpoint's state replaces the networks: pre-training them would be thrown away.
+        if not pretrain:
+            options["pretrain_steps"] = 0
+        self.attack = FSHA(knowledge, **options).fit(aux)
         # Under pruning each sample's visual-token count is unknown to the server; it tells
         # the visual rows from the text rows as the replayed attack does.
         pruning = config.pruning.policy not in UNPRUNED_POLICIES

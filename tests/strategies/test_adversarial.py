@@ -179,7 +179,9 @@ def owner_lora(config, owner: str) -> dict[str, torch.Tensor]:
     return owner_state_dict(party.model, next(s for s in party.segments if s.owner == owner))
 
 
-def test_a_hijacked_client_moves_its_features_to_the_pilots_and_the_replay_decodes_them(run_config, fake_grid):
+def test_a_hijacked_client_moves_its_features_to_the_pilots_and_the_replay_decodes_them(
+    run_config, fake_grid, monkeypatch
+):
     # One client, 100 steps at lr 1e-3 (a faster client overshoots the moving pilot), in 5 rounds
     # so the replay decodes only the last round's 20 steps.
     raw = run_config(**{
@@ -205,9 +207,13 @@ def test_a_hijacked_client_moves_its_features_to_the_pilots_and_the_replay_decod
     print(gap)
     assert gap["hijacked"] < 0.6 * gap["before"]
 
-    # The replay decodes with the networks the run saved, exactly as the run's server would.
-    result = replay(folder, "fsha", options={"pretrain_steps": 0, "decoder_width": 32, "progress": False},
-                    aux_limit=32)
+    # The replay decodes with the networks the run saved, exactly as the run's server would: it
+    # rebuilds them with the run's settings and loads them, training nothing.
+    def no_training(self):
+        raise AssertionError("the replay trained FSHA's networks instead of loading the run's")
+
+    monkeypatch.setattr(FSHA, "_autoencoder_step", no_training)
+    result = replay(folder, "fsha", options={"progress": False}, aux_limit=32)
     print(result.metrics)
     assert result.details["observed_samples"] == 20 * 16
     assert result.metrics["psnr"] > result.metrics["baseline_psnr"] + 1.0  # the mean public image's
