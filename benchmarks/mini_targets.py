@@ -52,8 +52,8 @@ def question_only_prior(train, test) -> dict:
     return accuracy_table(predictions, test)
 
 
-def base_template_yes_no(test, seed: int) -> list:
-    """Held-out yes/no in the base stage's own wording, one colour and one shape question per test image.
+def base_template_yes_no(test, recipe: MiniRecipe, seed: int) -> list:
+    """Held-out yes/no in the base stage's own wordings, one colour and one shape question per test image.
 
     Shows whether the base learned to compare a named attribute with the image before
     the VQA stage teaches easy-VQA's wordings and negation.
@@ -64,7 +64,7 @@ def base_template_yes_no(test, seed: int) -> list:
     for image_id, attributes in sorted(image_attributes(test).items()):
         for attribute in ("color", "shape"):
             if getattr(attributes, attribute):
-                question, answer = yes_no_instruction(attributes, attribute, rng)
+                question, answer = yes_no_instruction(attributes, attribute, rng, recipe)
                 questions.append(
                     dataclasses.replace(
                         first_sample[image_id], question=question, answer=answer, question_kind=f"base {attribute} yes/no"
@@ -153,7 +153,7 @@ def main() -> None:
 
         results[stage] = {"full": run(test)}
         if stage == "base":
-            results[stage]["own_yes_no_templates"] = run(base_template_yes_no(test, args.seed))
+            results[stage]["own_yes_no_templates"] = run(base_template_yes_no(test, recipe, args.seed))
             continue
         image_ids = sorted({s.image_id for s in test})
         other_image = dict(zip(image_ids, image_ids[1:] + image_ids[:1]))

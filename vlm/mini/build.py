@@ -82,7 +82,7 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
     train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
     if not folder.tokenizer.is_dir():
         texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for s in train]
-        texts += [build_prompt(question, recipe.instruction) for question in instruction_texts()]
+        texts += [build_prompt(question, recipe.instruction) for question in instruction_texts(recipe)]
         build_word_tokenizer(texts).save_pretrained(folder.tokenizer)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
     model = _new_model(tokenizer, recipe)

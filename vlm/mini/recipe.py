@@ -34,6 +34,17 @@ class MiniRecipe:
     # Yes/no comparison is what is slow to learn (reading an attribute off is quick), so
     # each yes/no task is drawn this many times as often as a describe/which task.
     base_yes_no_weight: int = 6
+    # The yes/no wordings per attribute, all positive: the LoRA stage is left negation and
+    # easy-VQA's other phrasings. With one wording per attribute the LoRA stage did not map
+    # easy-VQA's shape questions onto the base's comparison (shape yes/no 45-77% per
+    # wording, near the prior); "Is there a ...?" is VQAv2's commonest yes/no form, which
+    # LLaVA-1.5's instruction mix contains, the others are paraphrases easy-VQA never uses.
+    color_yes_no_wordings: tuple[str, ...] = (
+        "Is the shape {}?", "Is there a {} shape?", "Can you see a {} shape?", "Does the picture show a {} shape?"
+    )
+    shape_yes_no_wordings: tuple[str, ...] = (
+        "Is the shape a {}?", "Is there a {}?", "Can you see a {}?", "Does the picture show a {}?"
+    )
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
     vqa_steps: int = 600
     vqa_batch_size: int = 64

@@ -131,19 +131,13 @@ def pretrain_vision(
     return loss
 
 
-# The base stage's yes/no templates, per attribute; the VQA stage's wordings differ.
-YES_NO_TEMPLATES = {"color": "Is the shape {}?", "shape": "Is the shape a {}?"}
-
-
-def _generated_instruction(
-    attributes: ImageAttributes, rng: random.Random, yes_no_weight: int
-) -> tuple[str, str]:
+def _generated_instruction(attributes: ImageAttributes, rng: random.Random, recipe: MiniRecipe) -> tuple[str, str]:
     """One (question, answer) made from an image's caption; yes and no equally likely."""
     tasks = ["describe"]
     if attributes.color:
-        tasks += ["is_color"] * yes_no_weight + ["which_color"]
+        tasks += ["is_color"] * recipe.base_yes_no_weight + ["which_color"]
     if attributes.shape:
-        tasks += ["is_shape"] * yes_no_weight + ["which_shape"]
+        tasks += ["is_shape"] * recipe.base_yes_no_weight + ["which_shape"]
     task = rng.choice(tasks)
     if task == "describe":
         return "Describe the image.", attributes.caption()
@@ -151,21 +145,28 @@ def _generated_instruction(
         return "Which color does the shape have?", attributes.color
     if task == "which_shape":
         return "Which shape is it?", attributes.shape
-    return yes_no_instruction(attributes, "color" if task == "is_color" else "shape", rng)
+    return yes_no_instruction(attributes, "color" if task == "is_color" else "shape", rng, recipe)
 
 
-def yes_no_instruction(attributes: ImageAttributes, attribute: str, rng: random.Random) -> tuple[str, str]:
-    """'Is the shape <value>?' about `attribute` ("color" or "shape"), true half of the time."""
+def yes_no_wordings(recipe: MiniRecipe, attribute: str) -> tuple[str, ...]:
+    return recipe.color_yes_no_wordings if attribute == "color" else recipe.shape_yes_no_wordings
+
+
+def yes_no_instruction(
+    attributes: ImageAttributes, attribute: str, rng: random.Random, recipe: MiniRecipe
+) -> tuple[str, str]:
+    """A yes/no question about `attribute` ("color" or "shape") in one of the recipe's
+    wordings, true half of the time."""
     truth, choices = (attributes.color, COLORS) if attribute == "color" else (attributes.shape, SHAPES)
     asked = truth if rng.random() < 0.5 else rng.choice([c for c in choices if c != truth])
-    return YES_NO_TEMPLATES[attribute].format(asked), "yes" if asked == truth else "no"
+    return rng.choice(yes_no_wordings(recipe, attribute)).format(asked), "yes" if asked == truth else "no"
 
 
-def instruction_texts() -> list[str]:
+def instruction_texts(recipe: MiniRecipe) -> list[str]:
     """Every word the base stage's generated instructions can use (for the tokenizer)."""
     texts = ["Describe the image.", "Which color does the shape have?", "Which shape is it?"]
-    texts += [YES_NO_TEMPLATES["color"].format(color) for color in COLORS]
-    texts += [YES_NO_TEMPLATES["shape"].format(shape) for shape in SHAPES]
+    texts += [wording.format(color) for wording in recipe.color_yes_no_wordings for color in COLORS]
+    texts += [wording.format(shape) for wording in recipe.shape_yes_no_wordings for shape in SHAPES]
     return texts
 
 
@@ -228,7 +229,7 @@ def train_base(
         max_tokens = recipe.base_few_tokens_max if step < few_tokens_steps else parts.config.image_seq_length
         image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size)]
         pairs = [
-            _generated_instruction(attributes[image_id], rng, recipe.base_yes_no_weight) for image_id in image_ids
+            _generated_instruction(attributes[image_id], rng, recipe) for image_id in image_ids
         ]
         return _lm_loss(
             model,
