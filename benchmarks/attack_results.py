@@ -1,0 +1,361 @@
+"""What each attack recovers from what crossed the cuts, per paradigm and pruning policy (issue 5, "Results").
+
+    python benchmarks/attack_results.py [--paradigms usl sl] [--policies off fixed-0.5 dtp] [--work DIR]
+
+For each paradigm (USL, SL) and pruning policy (off, fixed ρ = 0.3/0.5/0.7/0.9, DTP) the
+mini model is fine-tuned on the stamped benchmark (`easyvqa-stamped`, a handwritten digit
+in half the images) twice, in process, with the same strategy and client objects
+`flwr run` uses:
+
+- under a passive server (`threat.model=passive`), whose recording FORA, ActInv and SARA
+  invert and whose fine-tuned model MIA (and its attribute-inference variant) queries;
+- under an FSHA server (`threat.model=active-fsha`), whose recording FSHA decodes.
+
+Every attack goes through `attacks.replay.replay`, the path `python -m attacks run`
+takes; the passive attacks whose training reads only public data (ActInv, SARA, MIA) are
+fitted once per paradigm and replayed on every policy's run. Image attacks report PSNR,
+SSIM and FSIM against the mean public image, and on stamped images whether a digit
+classifier reads the mark back from the reconstruction (vs chance and vs the original
+images). Runs and results live under --work, one folder per run; a run resumes and an
+attack whose result is there is not run again, so an interrupted sweep picks up where it
+stopped. Writes results/attack_results.json and .png and prints a summary table.
+
+The DTP artefacts are the pruning benchmark's (benchmarks/pruning_tradeoffs.py), prepared
+on first use (`qpriv-prune prepare`, about a minute).
+"""
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from attacks.base import Attack, build_attack
+from attacks.replay import auxiliary_samples, knowledge_for_run, replay
+from attacks.truth import RunTruth
+from pruning.prepare import PrepareSettings, prepare_dtp
+from sims.inprocess import run_in_process
+from sims.schema import load_config
+from vlm.mini import MiniRecipe
+from vlm.mini.build import cache_root
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+DATASET = "easyvqa-stamped"
+PASSIVE_ATTACKS = ("fora", "actinv", "sara", "mia")
+# Fitted on public data only, so one fit serves every policy's run of a paradigm.
+SHARED_FITS = ("actinv", "sara", "mia")
+PAPER_MIA = {"undefended": 0.99, "qpriv_vl": (0.76, 0.79)}
+
+
+@dataclass(frozen=True)
+class Policy:
+    key: str
+    policy: str
+    ratio: float = 0.0
+
+    def overrides(self, artefacts: Path) -> dict[str, Any]:
+        settings = {"pruning.policy": self.policy, "pruning.ratio": self.ratio}
+        if self.policy == "dtp":
+            settings["pruning.artifacts"] = str(artefacts)
+        return settings
+
+
+POLICIES = {
+    p.key: p
+    for p in (
+        Policy("off", "off"),
+        *(Policy(f"fixed-{r:g}", "fixed", r) for r in (0.3, 0.5, 0.7, 0.9)),
+        Policy("dtp", "dtp"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Run and attack sizes: the defaults fit the sweep into about an hour on 2 CPU cores."""
+
+    train_limit: int = 600
+    test_limit: int = 200
+    rounds: int = 2
+    steps_per_round: int = 40
+    batch_size: int = 16
+    lr: float = 5e-4
+    recorded_samples: int = 512
+    aux_limit: int = 512
+    fsha_pretrain_steps: int = 500
+    fora_substitute_steps: int = 300
+    fora_decoder_steps: int = 1500
+    actinv_iterations: int = 500
+    actinv_transfers: int = 2
+    sara_tpp_steps: int = 1000
+    sara_mae_steps: int = 800
+    sara_decoder_steps: int = 1500
+    mia_shadows: int = 4
+    mia_shadow_records: int = 256
+    mia_candidates: int = 256
+
+    def attack_options(self, attack: str) -> dict[str, Any]:
+        return {
+            "fora": {"substitute_steps": self.fora_substitute_steps, "decoder_steps": self.fora_decoder_steps},
+            "actinv": {"iterations": self.actinv_iterations, "max_transfers": self.actinv_transfers},
+            # Keep shares down to what fixed 0.9 leaves, order shuffled or not: the client keeps ascending order.
+            "sara": {"tpp_steps": self.sara_tpp_steps, "mae_steps": self.sara_mae_steps,
+                     "decoder_steps": self.sara_decoder_steps, "keep_ratios": (0.1, 1.0), "shuffle": False},
+            "mia": {"shadows": self.mia_shadows, "shadow_records": self.mia_shadow_records,
+                    "candidates": self.mia_candidates},
+            "fsha": {},
+        }[attack] | {"progress": False}
+
+
+def run_config(paradigm: str, policy: Policy, threat: str, budget: Budget, args: argparse.Namespace) -> dict:
+    return {
+        "paradigm": paradigm,
+        "model.profile": args.profile,
+        "data.dataset": DATASET,
+        "data.train_limit": budget.train_limit,
+        "data.test_limit": budget.test_limit,
+        "clients.count": 2,
+        "train.rounds": budget.rounds,
+        "train.steps_per_round": budget.steps_per_round,
+        "train.batch_size": budget.batch_size,
+        "train.lr": budget.lr,
+        "eval.every": budget.rounds,
+        "threat.model": threat,
+        "threat.max_samples": budget.recorded_samples,
+        "threat.aux_limit": budget.aux_limit,
+        "threat.fsha_pretrain_steps": budget.fsha_pretrain_steps,
+        "output.root": str(args.work),
+        "output.name": f"{paradigm}-{policy.key}-{threat}",
+        **policy.overrides(args.artefacts),
+    }
+
+
+def finished_run(raw: dict) -> Path:
+    """The run's folder, run (or resumed) to its last round."""
+    folder = load_config(raw).run_folder()
+    status = folder / "status.json"
+    if not (status.exists() and json.loads(status.read_text()).get("state") == "finished"):
+        print(f"running {raw['output.name']}", flush=True)
+        folder = run_in_process(raw).path
+    return folder
+
+
+def last_metrics(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def saved_result(folder: Path, attack: str) -> dict[str, Any] | None:
+    path = folder / "attacks" / f"{attack}.json"
+    return json.loads(path.read_text())["metrics"] if path.exists() else None
+
+
+def fitted(attack: str, folder: Path, budget: Budget) -> Attack:
+    """`attack` fitted on the run's public data (its knowledge serves every run of the paradigm)."""
+    config = load_config(json.loads((folder / "config.json").read_text())["config"])
+    truth = RunTruth(config)
+    instance = build_attack(attack, knowledge_for_run(config, truth), **budget.attack_options(attack))
+    print(f"fitting {attack} for {config.paradigm}", flush=True)
+    return instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit))
+
+
+def sweep_paradigm(paradigm: str, policies: Sequence[Policy], budget: Budget, args) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    shared: dict[str, Attack] = {}
+    for policy in policies:
+        row: dict[str, Any] = {"policy": asdict(policy)}
+        passive = finished_run(run_config(paradigm, policy, "passive", budget, args))
+        metrics = last_metrics(passive)
+        row["run"] = {key: metrics.get(key) for key in (
+            "test_accuracy", "kept_tokens_mean", "kept_tokens_std", "patches_removed_share",
+            "mark_patches_removed_share", "bytes_up")}
+        row["attacks"] = {}
+        for attack in PASSIVE_ATTACKS:
+            result = saved_result(passive, attack)
+            if result is None:
+                print(f"{paradigm} {policy.key}: {attack}", flush=True)
+                if attack in SHARED_FITS:
+                    if attack not in shared:
+                        shared[attack] = fitted(attack, passive, budget)
+                    result = replay(passive, shared[attack]).metrics
+                else:
+                    result = replay(passive, attack, options=budget.attack_options(attack)).metrics
+            row["attacks"][attack] = result
+        active = finished_run(run_config(paradigm, policy, "active-fsha", budget, args))
+        row["active_run"] = {key: last_metrics(active).get(key) for key in ("test_accuracy", "kept_tokens_mean")}
+        result = saved_result(active, "fsha")
+        if result is None:
+            print(f"{paradigm} {policy.key}: fsha", flush=True)
+            result = replay(active, "fsha", options=budget.attack_options("fsha")).metrics
+        row["attacks"]["fsha"] = result
+        rows[policy.key] = row
+    return rows
+
+
+# --- the paper's claims ----------------------------------------------------------------------
+
+
+def fixed_trend(rows: dict[str, Any], attack: str) -> tuple[np.ndarray, np.ndarray]:
+    """(mean kept tokens, PSNR) of off and the fixed ratios, by kept tokens."""
+    points = sorted(
+        (row["run"]["kept_tokens_mean"], row["attacks"][attack]["psnr"])
+        for key, row in rows.items()
+        if row["policy"]["policy"] in ("off", "fixed") and "psnr" in row["attacks"].get(attack, {})
+    )
+    return np.array([p[0] for p in points]), np.array([p[1] for p in points])
+
+
+def dtp_vs_fixed_trend(rows: dict[str, Any], attack: str) -> dict[str, Any] | None:
+    """DTP's PSNR against the fixed-ratio curve interpolated at DTP's own mean kept tokens."""
+    dtp = rows.get("dtp")
+    if dtp is None or "psnr" not in dtp["attacks"].get(attack, {}):
+        return None
+    kept, psnr = fixed_trend(rows, attack)
+    if len(kept) < 2:
+        return None
+    at = float(np.interp(dtp["run"]["kept_tokens_mean"], kept, psnr))
+    gap = dtp["attacks"][attack]["psnr"] - at
+    return {"dtp_psnr": dtp["attacks"][attack]["psnr"], "fixed_trend_psnr": at, "gap_db": gap,
+            "dtp_below_trend": bool(gap < 0)}
+
+
+def claims(results: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for paradigm, rows in results["paradigms"].items():
+        found[paradigm] = {attack: dtp_vs_fixed_trend(rows, attack) for attack in ("fsha", "fora")}
+        off, dtp = rows.get("off"), rows.get("dtp")
+        if off and dtp:
+            found[paradigm]["mia_success"] = {
+                "off": off["attacks"]["mia"].get("attack_success"), "dtp": dtp["attacks"]["mia"].get("attack_success"),
+                "paper": PAPER_MIA,
+            }
+    return found
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def cell(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    header = (f"{'paradigm':8} {'policy':10} {'kept':>6} {'acc':>5} | {'FSHA dB':>7} {'FORA dB':>7} {'SARA dB':>7} "
+              f"{'mean dB':>7} | {'mark FSHA':>9} {'FORA':>5} {'SARA':>5} {'chance':>6} | {'SARA pos':>8} "
+              f"{'ActInv R':>8} {'ROUGE-L':>7} | {'MIA succ':>8} {'AUC':>5}")
+    lines = [header, "-" * len(header)]
+    for paradigm, rows in results["paradigms"].items():
+        for key, row in rows.items():
+            a = row["attacks"]
+            lines.append(
+                f"{paradigm:8} {key:10} {cell(row['run']['kept_tokens_mean'], '6.1f')} "
+                f"{cell(row['run']['test_accuracy'], '5.3f')} | "
+                f"{cell(a['fsha'].get('psnr'), '7.2f')} {cell(a['fora'].get('psnr'), '7.2f')} "
+                f"{cell(a['sara'].get('psnr'), '7.2f')} {cell(a['fora'].get('baseline_psnr'), '7.2f')} | "
+                f"{cell(a['fsha'].get('mark_readback'), '9.2f')} {cell(a['fora'].get('mark_readback'), '5.2f')} "
+                f"{cell(a['sara'].get('mark_readback'), '5.2f')} {cell(a['fora'].get('mark_readback_chance'), '6.2f')} | "
+                f"{cell(a['sara'].get('position_accuracy'), '8.3f')} {cell(a['actinv'].get('token_recall'), '8.3f')} "
+                f"{cell(a['actinv'].get('rouge_l'), '7.3f')} | {cell(a['mia'].get('attack_success'), '8.3f')} "
+                f"{cell(a['mia'].get('auc'), '5.3f')}"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    paradigms = list(results["paradigms"])
+    fig, axes = plt.subplots(2, len(paradigms), figsize=(6.5 * len(paradigms), 9), squeeze=False)
+    for column, paradigm in enumerate(paradigms):
+        rows = results["paradigms"][paradigm]
+        top = axes[0, column]
+        for attack, colour in (("fsha", "tab:red"), ("fora", "tab:blue"), ("sara", "tab:green")):
+            kept, psnr = fixed_trend(rows, attack)
+            top.plot(kept, psnr, "o-", color=colour, label=f"{attack.upper()} off + fixed ρ")
+            dtp = rows.get("dtp", {}).get("attacks", {}).get(attack, {})
+            if "psnr" in dtp:
+                top.plot(rows["dtp"]["run"]["kept_tokens_mean"], dtp["psnr"], "*", ms=16, color=colour,
+                         label=f"{attack.upper()} DTP")
+        baseline = next((row["attacks"]["fora"].get("baseline_psnr") for row in rows.values()), None)
+        if baseline is not None:
+            top.axhline(baseline, color="gray", ls="--", label="mean public image")
+        top.set(title=f"{paradigm.upper()}: reconstruction vs visual tokens sent", xlabel="mean kept visual tokens",
+                ylabel="PSNR (dB)")
+        top.legend(fontsize=8)
+
+        bottom = axes[1, column]
+        keys = list(rows)
+        x = np.arange(len(keys))
+        series = {
+            "mark read-back FSHA": [rows[k]["attacks"]["fsha"].get("mark_readback") for k in keys],
+            "mark read-back FORA": [rows[k]["attacks"]["fora"].get("mark_readback") for k in keys],
+            "SARA position acc.": [rows[k]["attacks"]["sara"].get("position_accuracy") for k in keys],
+            "ActInv token recall": [rows[k]["attacks"]["actinv"].get("token_recall") for k in keys],
+            "MIA success": [rows[k]["attacks"]["mia"].get("attack_success") for k in keys],
+        }
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series.items()):
+            bottom.bar(x + i * width, [np.nan if v is None else v for v in values], width, label=label)
+        chance = next((row["attacks"]["fora"].get("mark_readback_chance") for row in rows.values()), None)
+        if chance is not None:
+            bottom.axhline(chance, color="gray", ls=":", label="mark read-back chance")
+        bottom.set(xticks=x + 0.4 - width / 2, xticklabels=keys, ylim=(0, 1.05),
+                   title=f"{paradigm.upper()}: what else the attacker recovers")
+        bottom.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def dtp_artefacts(args: argparse.Namespace) -> Path:
+    folder = args.artefacts
+    # prepare_dtp caches every stage under its inputs: a prepared folder costs only loading.
+    prepare_dtp(PrepareSettings(profile=args.profile), folder, progress=False)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--paradigms", nargs="+", default=["usl", "sl"], choices=["usl", "sl"])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--profile", default="mini", help="model profile (tiny: a minutes-long smoke run)")
+    parser.add_argument("--work", type=Path, default=None, help="runs and attack results (default: the cache)")
+    parser.add_argument("--artefacts", type=Path, default=None, help="prepared DTP artefacts (default: the cache)")
+    parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (the machine is shared)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "attack_results.json")
+    for name, default in asdict(Budget()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    args = parser.parse_args()
+    budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
+    fingerprint = MiniRecipe().fingerprint()
+    args.work = args.work or cache_root() / "attack-results" / f"{args.profile}-{fingerprint}"
+    args.artefacts = args.artefacts or cache_root() / "pruning-tradeoffs" / fingerprint / "dtp-alpha1"
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    with threadpool_limits(args.threads):
+        import torch
+
+        torch.set_num_threads(args.threads)
+        policies = [POLICIES[key] for key in args.policies]
+        if any(p.policy == "dtp" for p in policies):
+            dtp_artefacts(args)
+        results: dict[str, Any] = {"setup": {"budget": asdict(budget), "profile": args.profile, "dataset": DATASET,
+                                             "mini_recipe": fingerprint, "work": str(args.work)},
+                                   "paradigms": {}}
+        for paradigm in args.paradigms:
+            results["paradigms"][paradigm] = sweep_paradigm(paradigm, policies, budget, args)
+    results["claims"] = claims(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+    plot(results, args.out.with_suffix(".png"))
+    print(summary_table(results))
+    print(json.dumps(results["claims"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
