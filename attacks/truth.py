@@ -29,6 +29,7 @@ from sims.schema import SimConfig, load_config
 from training.batches import batch_positions
 from training.model import load_party_model
 from training.selector import build_selector
+from training.store import PrivateStore
 from vlm.features import VisionFeatureCache
 from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import get_profile
@@ -65,12 +66,23 @@ def run_texts(samples: Sequence[VQASample]) -> list[str]:
     return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
 
 
+def recorded_node_partitions(run_folder: Path) -> dict[int, int]:
+    """Node id -> partition id, from the node ids each client store in the run folder noted."""
+    mapping = {}
+    for store in sorted((run_folder / "clients").glob("partition-*")):
+        partition = int(store.name.removeprefix("partition-"))
+        mapping.update({node: partition for node in PrivateStore(store).nodes()})
+    return mapping
+
+
 class RunTruth:
     """The truth of a run folder's recording.
 
-    Node ids are not partition ids under `flwr run`; pass `node_partitions` (node id ->
-    partition id) there. Without it, the in-process grid's numbering (node i holds
-    partition i − 1) is assumed, and refused when the recorded node ids do not fit it.
+    Node ids are not partition ids under `flwr run`: `node_partitions` (node id ->
+    partition id) says which node held which partition. `from_run_folder` reads it from
+    the clients' stores in the run folder (each notes its node ids); without either, the
+    in-process grid's numbering (node i holds partition i − 1) is assumed, and refused
+    when the recorded node ids do not fit it.
     Keep sets: every patch in order for unpruned runs; otherwise the run's selector
     (built as the clients built it) applied to the transfer's samples.
     """
@@ -107,6 +119,8 @@ class RunTruth:
                 record = json.loads(line)
                 for fault in record.get("faults", []):
                     faults[record["round"], int(fault["client"])] = fault["reason"][-200:]
+        if node_partitions is None:
+            node_partitions = recorded_node_partitions(path) or None
         return cls(load_config(flat), node_partitions, faults)
 
     def partition(self, node: int) -> int:

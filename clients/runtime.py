@@ -121,6 +121,7 @@ def client_runtime(context: Context) -> ClientRuntime:
     key = (config.fingerprint(), partition_id, state_dir)
     if key not in _RUNTIMES:
         _RUNTIMES[key] = build_runtime(config, partition_id, state_dir)
+        _RUNTIMES[key].store.record_node(context.node_id)
     return _RUNTIMES[key]
 
 

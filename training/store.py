@@ -15,6 +15,7 @@ last committed: a killed run may have left a newer, half-finished snapshot, whic
 `begin_round` discards.
 """
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ _SNAPSHOT = re.compile(r"round-(\d{6})")
 _PART_SUFFIX = ".pt"
 # A token rewritten by every save: file times can be too coarse to tell two saves apart.
 _VERSION = "VERSION"
+# The node ids that held this party's state: a federation gives its nodes new ids each start.
+NODES_FILE = "nodes.json"
 
 
 class PrivateStore:
@@ -46,6 +49,16 @@ class PrivateStore:
     def path(self, name: str) -> Path:
         """A file of the party's own beside the snapshots (caches, scratch)."""
         return self.directory / name
+
+    def record_node(self, node_id: int) -> None:
+        """Note that node `node_id` holds this state, so a run's recording (which names nodes)
+        can be scored against the right partition."""
+        if node_id not in self.nodes():
+            self.path(NODES_FILE).write_text(json.dumps([*self.nodes(), node_id]))
+
+    def nodes(self) -> list[int]:
+        path = self.path(NODES_FILE)
+        return json.loads(path.read_text()) if path.exists() else []
 
     def begin_round(self, committed_round: int) -> None:
         """Forget snapshots newer than the server's last committed round (a killed run's

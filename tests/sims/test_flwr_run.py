@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from attacks import Recording
+from attacks.replay import replay
 from sims.launch import installed_tools_environment, launch, stop_local_superlink
 
 pytestmark = pytest.mark.flwr_run
@@ -37,11 +39,11 @@ def flwr_home(tmp_path_factory):
             os.environ[key] = value
 
 
-def test_usl_sim_finishes_with_two_round_trips_per_step(flwr_home, tmp_path):
+def test_usl_sim_finishes_with_two_round_trips_per_step_and_its_recording_replays(flwr_home, tmp_path):
     overrides = {
         "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 6, "train.rounds": 2,
         "train.steps_per_round": 4, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 2,
-        "output.root": str(tmp_path), "output.name": "usl-smoke",
+        "threat.model": "passive", "output.root": str(tmp_path), "output.name": "usl-smoke",
     }
     status, folder, process = launch(
         SIMS / "usl_easyvqa", overrides, "num-supernodes=2 client-resources-num-cpus=1", timeout_s=240
@@ -51,6 +53,11 @@ def test_usl_sim_finishes_with_two_round_trips_per_step(flwr_home, tmp_path):
     assert [r["round"] for r in records] == [1, 2]
     assert records[0]["round_trips_per_step"] == pytest.approx((2 * 4 + 1) / 4)
     assert records[1]["test_count"] == 6
+    # Under flwr run node ids are not partition ids; the clients' stores say which node held which.
+    nodes = {e.client for e in Recording.open(folder).entries}
+    assert len(nodes) == 2 and not nodes <= {1, 2}
+    result = replay(folder, "actinv", options={"iterations": 100, "max_transfers": 2, "progress": False}, aux_limit=8)
+    assert result.metrics["token_recall"] > 0.9
 
 
 def test_the_paper_sim_fails_fast_and_says_what_is_missing(flwr_home, tmp_path):
