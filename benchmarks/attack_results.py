@@ -20,8 +20,10 @@ images). Runs and results live under --work, one folder per run; a run resumes a
 attack whose result is there is not run again, so an interrupted sweep picks up where it
 stopped. Writes results/attack_results.json and .png and prints a summary table.
 
-The DTP artefacts are the pruning benchmark's (benchmarks/pruning_tradeoffs.py), prepared
-on first use (`qpriv-prune prepare`, about a minute).
+Fixed ratios and DTP rank patches with the same trained module (α = β = 1), so they differ
+only in how many tokens they keep: the DTP artefacts of the pruning benchmark
+(benchmarks/pruning_tradeoffs.py), prepared before the first pruned run if missing
+(`qpriv-prune prepare`, about a minute).
 """
 
 import argparse
@@ -42,6 +44,7 @@ from threadpoolctl import threadpool_limits
 from attacks.base import Attack, build_attack
 from attacks.replay import auxiliary_samples, knowledge_for_run, replay
 from attacks.truth import RunTruth
+from pruning import DTP_FILE, ORACLE_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
 from sims.inprocess import run_in_process
 from sims.schema import load_config
@@ -64,7 +67,7 @@ class Policy:
 
     def overrides(self, artefacts: Path) -> dict[str, Any]:
         settings = {"pruning.policy": self.policy, "pruning.ratio": self.ratio}
-        if self.policy == "dtp":
+        if self.policy != "off":
             settings["pruning.artifacts"] = str(artefacts)
         return settings
 
@@ -86,15 +89,15 @@ class Budget:
     train_limit: int = 600
     test_limit: int = 200
     rounds: int = 2
-    steps_per_round: int = 40
+    steps_per_round: int = 30
     batch_size: int = 16
     lr: float = 5e-4
     recorded_samples: int = 512
     aux_limit: int = 512
-    fsha_pretrain_steps: int = 500
-    fora_substitute_steps: int = 300
-    fora_decoder_steps: int = 1500
-    actinv_iterations: int = 500
+    fsha_pretrain_steps: int = 300
+    fora_substitute_steps: int = 250
+    fora_decoder_steps: int = 1200
+    actinv_iterations: int = 300
     actinv_transfers: int = 2
     sara_tpp_steps: int = 1000
     sara_mae_steps: int = 800
@@ -171,6 +174,8 @@ def sweep_paradigm(paradigm: str, policies: Sequence[Policy], budget: Budget, ar
     rows: dict[str, Any] = {}
     shared: dict[str, Attack] = {}
     for policy in policies:
+        if policy.policy != "off":
+            prepare_artefacts(args)
         row: dict[str, Any] = {"policy": asdict(policy)}
         passive = finished_run(run_config(paradigm, policy, "passive", budget, args))
         metrics = last_metrics(passive)
@@ -313,11 +318,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def dtp_artefacts(args: argparse.Namespace) -> Path:
-    folder = args.artefacts
-    # prepare_dtp caches every stage under its inputs: a prepared folder costs only loading.
-    prepare_dtp(PrepareSettings(profile=args.profile), folder, progress=False)
-    return folder
+def prepare_artefacts(args: argparse.Namespace) -> None:
+    """The DTP artefacts in `args.artefacts`, prepared if a file is missing."""
+    if not all((args.artefacts / name).is_file() for name in (DTP_FILE, ORACLE_FILE)):
+        print(f"preparing DTP into {args.artefacts}", flush=True)
+        prepare_dtp(PrepareSettings(profile=args.profile), args.artefacts, progress=False)
 
 
 def main() -> None:
@@ -342,8 +347,6 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         policies = [POLICIES[key] for key in args.policies]
-        if any(p.policy == "dtp" for p in policies):
-            dtp_artefacts(args)
         results: dict[str, Any] = {"setup": {"budget": asdict(budget), "profile": args.profile, "dataset": DATASET,
                                              "mini_recipe": fingerprint, "work": str(args.work)},
                                    "paradigms": {}}

@@ -46,7 +46,7 @@ class MiniRecipe:
         "Is the shape a {}?", "Is there a {}?", "Can you see a {}?", "Does the picture show a {}?"
     )
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
-    vqa_steps: int = 600
+    vqa_steps: int = 1200
     vqa_batch_size: int = 64
     vqa_lr: float = 1e-3
     lora_rank: int = 32
