@@ -3,8 +3,8 @@
 1. Vision pretraining: the CLIP-style tower learns shape and colour (CLIP's role).
 2. Base: projector + decoder learn to describe images and to follow instructions
    generated from those descriptions (LLaVA's pretraining and instruction data,
-   which GPT wrote from captions). Wordings differ from easy-VQA's and there is no
-   negation, so the base is a capable but not finished VQA model.
+   which GPT wrote from captions). Its wordings are mostly not easy-VQA's and there
+   is no negation, so the base is a capable but not finished VQA model.
 3. VQA: LoRA on the frozen base, on the easy-VQA training split — the same kind of
    fine-tuning the CL/FL/SL/USL simulations run, here centrally to show the target.
 
@@ -12,10 +12,10 @@ Why this recipe (LLAVA_NOTES.md): from scratch, shape stayed at chance; a base t
 only ever saw captions left a LoRA-only VQA stage answering every yes/no question
 with one constant, and a base that learned the question logic over *text*
 descriptions did not transfer it to the image (yes/no stayed at the 82% prior).
-The intent is a base that has already compared named attributes with the image,
-leaving the LoRA stage wording and negation; tied embeddings and few visual tokens
-per sequence make that comparison start to emerge, but within this budget it does
-not yet (README, "Known gaps").
+So the base learns to compare a named attribute with the image (few visual tokens per
+sequence make that emerge early; yes/no tasks come often and in several positive
+wordings), leaving the LoRA stage easy-VQA's wordings and negation — which it learns
+in two epochs, not one (README, "The offline mini model").
 """
 
 import math
