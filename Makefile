@@ -1,5 +1,5 @@
 # Each target sets up .venv on first use (scripts/setup.sh), so a fresh machine needs only `make`.
-.PHONY: setup test run mini-targets
+.PHONY: setup test run mini-targets attack-results
 
 setup:
 	@bash scripts/setup.sh
@@ -13,3 +13,7 @@ run: setup
 
 mini-targets: setup
 	.venv/bin/python benchmarks/mini_targets.py
+
+attack-results: setup
+	.venv/bin/qpriv-mini build
+	.venv/bin/python benchmarks/attack_results.py

@@ -209,27 +209,32 @@ def sweep_paradigm(paradigm: str, policies: Sequence[Policy], budget: Budget, ar
 
 
 def fixed_trend(rows: dict[str, Any], attack: str) -> tuple[np.ndarray, np.ndarray]:
-    """(mean kept tokens, PSNR) of off and the fixed ratios, by kept tokens."""
+    """(mean kept tokens, PSNR) of the fixed ratios, by kept tokens."""
     points = sorted(
         (row["run"]["kept_tokens_mean"], row["attacks"][attack]["psnr"])
-        for key, row in rows.items()
-        if row["policy"]["policy"] in ("off", "fixed") and "psnr" in row["attacks"].get(attack, {})
+        for row in rows.values()
+        if row["policy"]["policy"] == "fixed" and "psnr" in row["attacks"].get(attack, {})
     )
     return np.array([p[0] for p in points]), np.array([p[1] for p in points])
 
 
 def dtp_vs_fixed_trend(rows: dict[str, Any], attack: str) -> dict[str, Any] | None:
-    """DTP's PSNR against the fixed-ratio curve interpolated at DTP's own mean kept tokens."""
+    """DTP's PSNR against the fixed-ratio curve at DTP's own mean kept tokens (the nearest
+    fixed ratio's where DTP keeps more or fewer tokens than all of them), and whether
+    pruned reconstructions beat the mean public image at all."""
     dtp = rows.get("dtp")
     if dtp is None or "psnr" not in dtp["attacks"].get(attack, {}):
         return None
     kept, psnr = fixed_trend(rows, attack)
     if len(kept) < 2:
         return None
-    at = float(np.interp(dtp["run"]["kept_tokens_mean"], kept, psnr))
+    tokens = dtp["run"]["kept_tokens_mean"]
+    at = float(np.interp(tokens, kept, psnr))
     gap = dtp["attacks"][attack]["psnr"] - at
-    return {"dtp_psnr": dtp["attacks"][attack]["psnr"], "fixed_trend_psnr": at, "gap_db": gap,
-            "dtp_below_trend": bool(gap < 0)}
+    return {"dtp_psnr": dtp["attacks"][attack]["psnr"], "dtp_kept_tokens": tokens, "fixed_trend_psnr": at,
+            "within_fixed_range": bool(kept[0] <= tokens <= kept[-1]), "gap_db": gap,
+            "dtp_below_trend": bool(gap < 0), "fixed_spread_db": float(psnr.max() - psnr.min()),
+            "mean_image_psnr": dtp["attacks"][attack].get("baseline_psnr")}
 
 
 def claims(results: dict[str, Any]) -> dict[str, Any]:
@@ -282,7 +287,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         top = axes[0, column]
         for attack, colour in (("fsha", "tab:red"), ("fora", "tab:blue"), ("sara", "tab:green")):
             kept, psnr = fixed_trend(rows, attack)
-            top.plot(kept, psnr, "o-", color=colour, label=f"{attack.upper()} off + fixed ρ")
+            top.plot(kept, psnr, "o-", color=colour, label=f"{attack.upper()} fixed ρ")
+            off = rows.get("off", {}).get("attacks", {}).get(attack, {})
+            if "psnr" in off:
+                top.plot(rows["off"]["run"]["kept_tokens_mean"], off["psnr"], "s", ms=9, color=colour,
+                         label=f"{attack.upper()} no pruning")
             dtp = rows.get("dtp", {}).get("attacks", {}).get(attack, {})
             if "psnr" in dtp:
                 top.plot(rows["dtp"]["run"]["kept_tokens_mean"], dtp["psnr"], "*", ms=16, color=colour,
