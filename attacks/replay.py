@@ -130,19 +130,36 @@ def replay(
     config = load_config(recording.config)
     truth = RunTruth.from_run_folder(folder, node_partitions)
     if isinstance(attack, Attack):
-        instance, knowledge = attack, attack.knowledge
+        instance = attack
         _check_fitted_for(instance, config)
-        instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+        instance.prepare_replay(ReplayContext(folder, config, instance.knowledge, partition))
     else:
-        knowledge = knowledge_for_run(config, truth)
-        instance = build_attack(attack, knowledge, **(attack_class(attack).options_from_run(config) | dict(options or {})))
-        instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
-        instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit if aux_limit is None else aux_limit))
+        instance = _fitted(attack, folder, config, truth, options, aux_limit, partition)
     result = instance.run(recording, truth)
     result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,
                              "pruning": config.pruning.policy, "profile": config.model.profile}
     result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
     return result
+
+
+def fit_for_run(
+    run_folder: str | Path, attack: str, *, options: Mapping[str, Any] | None = None, aux_limit: int | None = None
+) -> Attack:
+    """`attack` built with the run's settings and fitted on its public data, to replay on this
+    run and on others of the same model and cuts (`replay(folder, attack_instance)`)."""
+    folder = Path(run_folder).expanduser()
+    config = load_config(json.loads((folder / "config.json").read_text())["config"])
+    return _fitted(attack, folder, config, RunTruth.from_run_folder(folder), options, aux_limit, partition=0)
+
+
+def _fitted(
+    attack: str, folder: Path, config: SimConfig, truth: RunTruth, options: Mapping[str, Any] | None,
+    aux_limit: int | None, partition: int,
+) -> Attack:
+    knowledge = knowledge_for_run(config, truth)
+    instance = build_attack(attack, knowledge, **(attack_class(attack).options_from_run(config) | dict(options or {})))
+    instance.prepare_replay(ReplayContext(folder, config, knowledge, partition))
+    return instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit if aux_limit is None else aux_limit))
 
 
 def _check_fitted_for(attack: Attack, config: SimConfig) -> None:

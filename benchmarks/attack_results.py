@@ -41,9 +41,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from attacks.base import Attack, build_attack
-from attacks.replay import auxiliary_samples, knowledge_for_run, replay
-from attacks.truth import RunTruth
+from attacks.base import Attack
+from attacks.replay import fit_for_run, replay
 from pruning import DTP_FILE, ORACLE_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
 from sims.inprocess import run_in_process
@@ -161,15 +160,6 @@ def saved_result(folder: Path, attack: str) -> dict[str, Any] | None:
     return json.loads(path.read_text())["metrics"] if path.exists() else None
 
 
-def fitted(attack: str, folder: Path, budget: Budget) -> Attack:
-    """`attack` fitted on the run's public data (its knowledge serves every run of the paradigm)."""
-    config = load_config(json.loads((folder / "config.json").read_text())["config"])
-    truth = RunTruth(config)
-    instance = build_attack(attack, knowledge_for_run(config, truth), **budget.attack_options(attack))
-    print(f"fitting {attack} for {config.paradigm}", flush=True)
-    return instance.fit(auxiliary_samples(config, truth, config.threat.aux_limit))
-
-
 def sweep_paradigm(paradigm: str, policies: Sequence[Policy], budget: Budget, args) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     shared: dict[str, Attack] = {}
@@ -189,7 +179,8 @@ def sweep_paradigm(paradigm: str, policies: Sequence[Policy], budget: Budget, ar
                 print(f"{paradigm} {policy.key}: {attack}", flush=True)
                 if attack in SHARED_FITS:
                     if attack not in shared:
-                        shared[attack] = fitted(attack, passive, budget)
+                        print(f"fitting {attack} for {paradigm}", flush=True)
+                        shared[attack] = fit_for_run(passive, attack, options=budget.attack_options(attack))
                     result = replay(passive, shared[attack]).metrics
                 else:
                     result = replay(passive, attack, options=budget.attack_options(attack)).metrics
@@ -331,7 +322,9 @@ def prepare_artefacts(args: argparse.Namespace) -> None:
     """The DTP artefacts in `args.artefacts`, prepared if a file is missing."""
     if not all((args.artefacts / name).is_file() for name in (DTP_FILE, ORACLE_FILE)):
         print(f"preparing DTP into {args.artefacts}", flush=True)
-        prepare_dtp(PrepareSettings(profile=args.profile), args.artefacts, progress=False)
+        # The tiny profile (a smoke run) has random weights only; DTP is prepared on them.
+        stage = "random" if args.profile == "tiny" else "vqa"
+        prepare_dtp(PrepareSettings(profile=args.profile, model_stage=stage), args.artefacts, progress=False)
 
 
 def main() -> None:
