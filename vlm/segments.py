@@ -108,13 +108,16 @@ def merge_multimodal_inputs(
     visual_embeds: Sequence[torch.Tensor],
     answer_ids: Sequence[torch.Tensor] | None = None,
     *,
+    answer_label_masks: Sequence[torch.Tensor] | None = None,
     padding_side: str = "left",
 ) -> DecoderInputs:
     """Decoder inputs from per-sample prompts, visual tokens and optional answers.
 
     Each prompt holds exactly one image placeholder, replaced by that sample's k_b
     visual embeddings (k_b varies after pruning). Answers are appended and become the
-    labels (IGNORE_INDEX elsewhere). Positions are cumsum(mask) - 1, so kept visual
+    labels (IGNORE_INDEX elsewhere); `answer_label_masks` (one bool per answer token)
+    leaves unlabelled what a multi-turn conversation's continuation holds besides
+    the answers (the later turns' questions). Positions are cumsum(mask) - 1, so kept visual
     tokens are renumbered without gaps; padded slots get position 0 and mask 0.
     Left padding is the default because it puts every sample's last token in the
     last column, which is what generation reads.
@@ -125,6 +128,11 @@ def merge_multimodal_inputs(
         raise ValueError(f"got {len(prompt_ids)} prompts but {len(visual_embeds)} visual token sets")
     if answer_ids is not None and len(answer_ids) != len(prompt_ids):
         raise ValueError(f"got {len(prompt_ids)} prompts but {len(answer_ids)} answers")
+    if answer_label_masks is not None and (
+        answer_ids is None
+        or [len(mask) for mask in answer_label_masks] != [len(answer) for answer in answer_ids]
+    ):
+        raise ValueError("answer_label_masks needs answer_ids and one flag per answer token")
     parts = llava_parts(model)
     embed_tokens = parts.language_model.embed_tokens
     image_token_id = parts.config.image_token_id
@@ -146,7 +154,12 @@ def merge_multimodal_inputs(
             torch.cat([text_embeds[:num_before], visual.to(device, dtype), text_embeds[num_before:]])
         )
         num_unlabelled = num_before + num_visual + num_prompt_after
-        label_rows.append(torch.cat([prompt.new_full((num_unlabelled,), IGNORE_INDEX), answer]))
+        labels_of_answer = (
+            answer
+            if answer_label_masks is None
+            else answer.masked_fill(~torch.as_tensor(answer_label_masks[sample], device=device), IGNORE_INDEX)
+        )
+        label_rows.append(torch.cat([prompt.new_full((num_unlabelled,), IGNORE_INDEX), labels_of_answer]))
         visual_row = torch.zeros(num_unlabelled + answer.numel(), dtype=torch.bool, device=device)
         visual_row[num_before : num_before + num_visual] = True
         visual_rows.append(visual_row)

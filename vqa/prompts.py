@@ -27,12 +27,21 @@ class PromptPair:
 
 def build_prompt(question: str, instruction: str | None = SHORT_ANSWER_INSTRUCTION) -> str:
     """``USER: <image>\\n{question}\\n{instruction} ASSISTANT:`` (no instruction line when None)."""
+    return f"USER: {IMAGE_PLACEHOLDER}\n{_question_body(question, instruction)} ASSISTANT:"
+
+
+def build_follow_up_prompt(question: str, instruction: str | None = SHORT_ANSWER_INSTRUCTION) -> str:
+    """A later turn of the same conversation, ``USER: {question}\\n{instruction} ASSISTANT:``:
+    LLaVA-1.5 shows the image once, in the first turn, and trains on multi-turn conversations."""
+    return f"USER: {_question_body(question, instruction)} ASSISTANT:"
+
+
+def _question_body(question: str, instruction: str | None) -> str:
     if IMAGE_PLACEHOLDER in question:
         raise ValueError(
             f"question must not contain the image placeholder {IMAGE_PLACEHOLDER!r}: {question!r}"
         )
-    body = question.strip() if instruction is None else f"{question.strip()}\n{instruction}"
-    return f"USER: {IMAGE_PLACEHOLDER}\n{body} ASSISTANT:"
+    return question.strip() if instruction is None else f"{question.strip()}\n{instruction}"
 
 
 def build_training_pair(

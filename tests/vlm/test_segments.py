@@ -236,6 +236,28 @@ def test_merge_layout(tiny_model, make_prompts, make_answers, padding_side):
         assert labelled.nonzero().flatten().tolist() == real.nonzero().flatten()[-len(answers[row]) :].tolist()
 
 
+def test_merge_leaves_masked_answer_tokens_unlabelled(tiny_model, make_prompts, make_answers):
+    prompts = make_prompts([1, 3], [2, 0])
+    answers = make_answers([3, 2])
+    masks = [torch.tensor([True, False, True]), torch.tensor([False, True])]
+    visual = [torch.randn(k, TINY.hidden_size) for k in (4, 2)]
+    inputs = merge_multimodal_inputs(tiny_model, prompts, visual, answers, answer_label_masks=masks)
+    for row, (answer, mask) in enumerate(zip(answers, masks, strict=True)):
+        tail = inputs.labels[row][-len(answer) :]
+        assert tail[mask].tolist() == answer[mask].tolist()
+        assert (tail[~mask] == IGNORE_INDEX).all()
+        assert int((inputs.labels[row] != IGNORE_INDEX).sum()) == int(mask.sum())
+
+
+def test_merge_rejects_label_masks_that_do_not_fit_the_answers(tiny_model, make_prompts, make_answers):
+    prompts, answers = make_prompts([1], [2]), make_answers([3])
+    visual = [torch.randn(2, TINY.hidden_size)]
+    with pytest.raises(ValueError, match="one flag per answer token"):
+        merge_multimodal_inputs(tiny_model, prompts, visual, answers, answer_label_masks=[torch.tensor([True])])
+    with pytest.raises(ValueError, match="needs answer_ids"):
+        merge_multimodal_inputs(tiny_model, prompts, visual, answer_label_masks=[torch.tensor([True])])
+
+
 @pytest.mark.parametrize("placeholders", [0, 2])
 def test_merge_rejects_prompt_without_exactly_one_placeholder(tiny_model, placeholders):
     prompt = torch.tensor([5, 6] + [TINY.image_token_id] * placeholders + [7])

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from vqa.prompts import IMAGE_PLACEHOLDER, build_prompt, build_training_pair
+from vqa.prompts import IMAGE_PLACEHOLDER, build_follow_up_prompt, build_prompt, build_training_pair
 
 
 def test_llava_short_answer_prompt_is_exact() -> None:
@@ -23,6 +23,12 @@ def test_training_pair_puts_the_answer_after_the_prompt() -> None:
     assert pair.prompt.count(IMAGE_PLACEHOLDER) == 1
 
 
-def test_a_second_image_placeholder_in_the_question_is_refused() -> None:
+def test_a_follow_up_turn_has_no_image_and_the_same_question_body() -> None:
+    assert build_follow_up_prompt("Is it red?", instruction=None) == "USER: Is it red? ASSISTANT:"
+    assert build_follow_up_prompt("Why?", instruction="Explain.") == "USER: Why?\nExplain. ASSISTANT:"
+
+
+@pytest.mark.parametrize("make_prompt", [build_prompt, build_follow_up_prompt])
+def test_an_image_placeholder_in_the_question_is_refused(make_prompt) -> None:
     with pytest.raises(ValueError, match="image placeholder"):
-        build_prompt(f"what is {IMAGE_PLACEHOLDER}?")
+        make_prompt(f"what is {IMAGE_PLACEHOLDER}?")
