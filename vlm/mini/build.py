@@ -154,7 +154,7 @@ def load_mini(
     if missing:
         raise ModelNotAvailableError(
             f"the mini model ({stage} stage) is not built in {folder.path} (missing: {', '.join(missing)}). "
-            f"Build it once with `{BUILD_COMMAND}` (about 21 minutes on 2 idle CPU cores; set {CACHE_ENV} to "
+            f"Build it once with `{BUILD_COMMAND}` (about 13 minutes on 2 idle CPU cores; set {CACHE_ENV} to "
             "build elsewhere)."
         )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)

@@ -1,12 +1,16 @@
 """The three stages that build the mini model, mirroring how LLaVA-1.5 came to be.
 
-1. Vision pretraining: the CLIP-style tower learns shape and colour (CLIP's role).
+1. Vision pretraining: the CLIP-style tower learns shape and colour (CLIP's role),
+   from the mean of its patch tokens and from each token alone.
 2. Base: projector + decoder learn to describe images and to follow instructions
    generated from those descriptions (LLaVA's pretraining and instruction data,
    which GPT wrote from captions). Its wordings are mostly not easy-VQA's and there
    is no negation, so the base is a capable but not finished VQA model.
 3. VQA: LoRA on the frozen base, on the easy-VQA training split — the same kind of
    fine-tuning the CL/FL/SL/USL simulations run, here centrally to show the target.
+   Like LLaVA-1.5's, its sequences are multi-turn conversations about one image, so
+   the 64 visual tokens are paid once for several questions (the CPU budget is per
+   token); the base's all-token steps are conversations too.
 
 Why this recipe (LLAVA_NOTES.md): from scratch, shape stayed at chance; a base that
 only ever saw captions left a LoRA-only VQA stage answering every yes/no question
@@ -41,7 +45,7 @@ from vlm.segments import (
     run_decoder_layers,
     vision_features,
 )
-from vqa import VQASample, build_prompt
+from vqa import VQASample, build_follow_up_prompt, build_prompt
 
 UNKNOWN_LABEL = -1
 
@@ -110,12 +114,22 @@ def pretrain_vision(
     colors = torch.tensor([COLORS.index(a.color) if a.color else UNKNOWN_LABEL for a in attributes])
     parts.vision_tower.train()
 
+    def attribute_loss(features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Shape + colour cross-entropy of `features` [..., width] against the images' labels."""
+        shape_labels = shapes[index].expand(features.shape[:-1])
+        color_labels = colors[index].expand(features.shape[:-1])
+        return F.cross_entropy(
+            shape_head(features).flatten(0, -2), shape_labels.flatten(), ignore_index=UNKNOWN_LABEL
+        ) + F.cross_entropy(color_head(features).flatten(0, -2), color_labels.flatten(), ignore_index=UNKNOWN_LABEL)
+
     def step_loss(_: int) -> torch.Tensor:
         index = torch.randint(len(pixel_values), (recipe.vision_batch_size,), generator=generator)
-        pooled = vision_features(model, _augment(pixel_values[index], generator, recipe.vision_max_shift)).mean(1)
-        return F.cross_entropy(shape_head(pooled), shapes[index], ignore_index=UNKNOWN_LABEL) + F.cross_entropy(
-            color_head(pooled), colors[index], ignore_index=UNKNOWN_LABEL
-        )
+        features = vision_features(model, _augment(pixel_values[index], generator, recipe.vision_max_shift))
+        loss = attribute_loss(features.mean(1), index)
+        if recipe.vision_token_loss_weight:
+            # [tokens, images, width]: each image's labels broadcast over its tokens.
+            loss = loss + recipe.vision_token_loss_weight * attribute_loss(features.transpose(0, 1), index)
+        return loss
 
     parameters = [*parts.vision_tower.parameters(), *shape_head.parameters(), *color_head.parameters()]
     loss = _optimise(
@@ -148,6 +162,18 @@ def _generated_instruction(attributes: ImageAttributes, rng: random.Random, reci
     return yes_no_instruction(attributes, "color" if task == "is_color" else "shape", rng, recipe)
 
 
+def distinct_instructions(
+    attributes: ImageAttributes, count: int, rng: random.Random, recipe: MiniRecipe
+) -> list[tuple[str, str]]:
+    """`count` generated instructions with different questions: a repeated question
+    could be answered from the conversation instead of from the image."""
+    instructions: dict[str, str] = {}
+    while len(instructions) < count:
+        question, answer = _generated_instruction(attributes, rng, recipe)
+        instructions.setdefault(question, answer)
+    return list(instructions.items())
+
+
 def yes_no_wordings(recipe: MiniRecipe, attribute: str) -> tuple[str, ...]:
     return recipe.color_yes_no_wordings if attribute == "color" else recipe.shape_yes_no_wordings
 
@@ -170,22 +196,41 @@ def instruction_texts(recipe: MiniRecipe) -> list[str]:
     return texts
 
 
-def _answer_ids(tokenizer: PreTrainedTokenizerBase, answer: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(" " + answer)["input_ids"] + [tokenizer.eos_token_id], dtype=torch.long)
+def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
 
 
 def _lm_loss(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     features: Sequence[torch.Tensor],
-    prompts: Sequence[str],
-    answers: Sequence[str],
+    conversations: Sequence[Sequence[tuple[str, str]]],
+    instruction: str | None,
 ) -> torch.Tensor:
+    """Next-token loss on the answers of per-image conversations of (question, answer) turns.
+
+    The first turn shows the image; each later turn is a follow-up with no image, as in
+    LLaVA-1.5's multi-turn training data. Only answers (and their end token) are learned.
+    """
+    continuations, label_masks = [], []
+    for turns in conversations:
+        ids, learned = [], []
+        for turn, (question, answer) in enumerate(turns):
+            if turn:
+                follow_up = _token_ids(tokenizer, build_follow_up_prompt(question, instruction))
+                ids += follow_up
+                learned += [False] * len(follow_up)
+            answer_ids = _token_ids(tokenizer, " " + answer) + [tokenizer.eos_token_id]
+            ids += answer_ids
+            learned += [True] * len(answer_ids)
+        continuations.append(torch.tensor(ids, dtype=torch.long))
+        label_masks.append(torch.tensor(learned))
     inputs = merge_multimodal_inputs(
         model,
-        [torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long) for prompt in prompts],
+        [torch.tensor(_token_ids(tokenizer, build_prompt(turns[0][0], instruction))) for turns in conversations],
         [project_visual_features(model, feature) for feature in features],
-        [_answer_ids(tokenizer, answer) for answer in answers],
+        continuations,
+        answer_label_masks=label_masks,
     )
     logits = run_decoder_layers(
         model,
@@ -226,17 +271,17 @@ def train_base(
     rng = random.Random(recipe.seed)
 
     def step_loss(step: int) -> torch.Tensor:
-        max_tokens = recipe.base_few_tokens_max if step < few_tokens_steps else parts.config.image_seq_length
-        image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size)]
-        pairs = [
-            _generated_instruction(attributes[image_id], rng, recipe) for image_id in image_ids
-        ]
+        few_tokens = step < few_tokens_steps
+        max_tokens = recipe.base_few_tokens_max if few_tokens else parts.config.image_seq_length
+        turns = 1 if few_tokens else recipe.base_all_tokens_turns
+        image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size // turns)]
+        conversations = [distinct_instructions(attributes[image_id], turns, rng, recipe) for image_id in image_ids]
         return _lm_loss(
             model,
             tokenizer,
             [_random_token_subset(features[image_id], max_tokens, rng) for image_id in image_ids],
-            [build_prompt(question, recipe.instruction) for question, _ in pairs],
-            [answer for _, answer in pairs],
+            conversations,
+            recipe.instruction,
         )
 
     model.train()
@@ -248,6 +293,20 @@ def train_base(
     return loss
 
 
+def image_conversations(samples: Sequence[VQASample], max_turns: int, rng: random.Random) -> list[list[VQASample]]:
+    """Each image's questions in shuffled order, split into near-equal conversations of at most `max_turns`."""
+    by_image: dict[str, list[VQASample]] = {}
+    for sample in samples:
+        by_image.setdefault(sample.image_id, []).append(sample)
+    conversations = []
+    for image_id in sorted(by_image):
+        questions = by_image[image_id]
+        rng.shuffle(questions)
+        count = math.ceil(len(questions) / max_turns)
+        conversations += [questions[part::count] for part in range(count)]
+    return conversations
+
+
 def train_vqa_lora(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -257,20 +316,25 @@ def train_vqa_lora(
     *,
     progress: bool = True,
 ) -> tuple[PeftModel, float]:
-    """LoRA (rank from the recipe) on every decoder projection; everything else frozen."""
+    """LoRA (rank from the recipe) on every decoder projection; everything else frozen.
+
+    Trains on multi-turn conversations, one image with several of its questions: the
+    cost is per token, and the image's visual tokens then serve every question in it.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         peft_model = apply_lora(model, rank=recipe.lora_rank)
-    generator = torch.Generator().manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
+    conversations = image_conversations(samples, recipe.vqa_max_turns, rng)
 
     def step_loss(_: int) -> torch.Tensor:
-        batch = [samples[i] for i in torch.randint(len(samples), (recipe.vqa_batch_size,), generator=generator)]
+        batch = [rng.sample(c, len(c)) for c in rng.choices(conversations, k=recipe.vqa_batch_size)]
         return _lm_loss(
             peft_model,
             tokenizer,
-            [features[sample.image_id] for sample in batch],
-            [build_prompt(sample.question, recipe.instruction) for sample in batch],
-            [sample.answer for sample in batch],
+            [features[turns[0].image_id] for turns in batch],
+            [[(sample.question, sample.answer) for sample in turns] for turns in batch],
+            recipe.instruction,
         )
 
     peft_model.train()
