@@ -15,7 +15,14 @@ from vqa.privacy_bags import (
     privacy_bag_names,
     register_privacy_bags,
 )
-from vqa.prompts import IMAGE_PLACEHOLDER, SHORT_ANSWER_INSTRUCTION, PromptPair, build_follow_up_prompt, build_prompt, build_training_pair
+from vqa.prompts import (
+    IMAGE_PLACEHOLDER,
+    SHORT_ANSWER_INSTRUCTION,
+    PromptPair,
+    build_follow_up_prompt,
+    build_prompt,
+    build_training_pair,
+)
 from vqa.registry import DatasetAdapter, SourceRow, SourceTable, dataset_names, get_adapter, load_vqa, register_dataset
 from vqa.schema import AnswerType, VQADataset, VQASample
 from vqa.scoring import (
