@@ -8,7 +8,6 @@ Writes results/mini_targets.json and results/mini_targets.png.
 """
 
 import argparse
-import dataclasses
 import json
 import random
 import tempfile
@@ -27,7 +26,7 @@ from vlm.answering import answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.mini import MiniFolder, MiniRecipe, build_mini, load_mini
 from vlm.mini.attributes import COLORS, SHAPES, image_attributes
-from vlm.mini.stages import yes_no_instruction
+from vlm.mini.stages import own_wording_yes_no
 from vlm.segments import llava_parts
 from vqa import aggregate_accuracy, load_vqa
 
@@ -50,27 +49,6 @@ def question_only_prior(train, test) -> dict:
         by_question[s.question].most_common(1)[0][0] if s.question in by_question else overall for s in test
     ]
     return accuracy_table(predictions, test)
-
-
-def base_template_yes_no(test, recipe: MiniRecipe, seed: int) -> list:
-    """Held-out yes/no in the base stage's own wordings, one colour and one shape question per test image.
-
-    Shows whether the base learned to compare a named attribute with the image before
-    the VQA stage teaches easy-VQA's wordings and negation.
-    """
-    rng = random.Random(seed)
-    first_sample = {s.image_id: s for s in reversed(test)}
-    questions = []
-    for image_id, attributes in sorted(image_attributes(test).items()):
-        for attribute in ("color", "shape"):
-            if getattr(attributes, attribute):
-                question, answer = yes_no_instruction(attributes, attribute, rng, recipe)
-                questions.append(
-                    dataclasses.replace(
-                        first_sample[image_id], question=question, answer=answer, question_kind=f"base {attribute} yes/no"
-                    )
-                )
-    return questions
 
 
 def random_keep(fraction: float, seed: int):
@@ -153,7 +131,9 @@ def main() -> None:
 
         results[stage] = {"full": run(test)}
         if stage == "base":
-            results[stage]["own_yes_no_templates"] = run(base_template_yes_no(test, recipe, args.seed))
+            results[stage]["own_yes_no_templates"] = run(
+                own_wording_yes_no(test, image_attributes(test), recipe, random.Random(args.seed))
+            )
             continue
         image_ids = sorted({s.image_id for s in test})
         other_image = dict(zip(image_ids, image_ids[1:] + image_ids[:1]))

@@ -7,6 +7,7 @@ resumes at the stage it was in. The folder is keyed by the recipe's fingerprint.
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file, save_model
 from safetensors.torch import load_model as load_weights_into
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from vlm.features import VisionFeatureCache
@@ -21,9 +23,10 @@ from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model,
 from vlm.lora import apply_lora
 from vlm.mini.attributes import image_attributes
 from vlm.mini.recipe import MiniRecipe
-from vlm.mini.stages import instruction_texts, pretrain_vision, train_base, train_vqa_lora
+from vlm.mini.stages import BaseComparisonStalled, instruction_texts, pretrain_vision, train_base, train_vqa_lora
 from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import MINI, Profile
+from vlm.segments import llava_parts
 from vqa import build_prompt, load_vqa
 
 CACHE_ENV = "QPRIV_CACHE_DIR"
@@ -55,14 +58,25 @@ class MiniFolder:
         self.report.write_text(json.dumps(report, indent=2))
 
 
-def _new_model(tokenizer: PreTrainedTokenizerFast, recipe: MiniRecipe) -> torch.nn.Module:
+def _new_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
     return build_random_model(
         MINI,
-        seed=recipe.seed,
+        seed=seed,
         vocab_size=len(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+class MiniBuildFailed(RuntimeError):
+    """A stage's own check failed on every attempt; what was built before it is kept."""
+
+
+def _reinitialise_language_side(model: torch.nn.Module, fresh: torch.nn.Module) -> None:
+    """Projector, decoder and LM head from `fresh` (another seed); the trained vision tower stays."""
+    parts, fresh_parts = llava_parts(model), llava_parts(fresh)
+    for name in ("projector", "language_model", "lm_head"):
+        getattr(parts, name).load_state_dict(getattr(fresh_parts, name).state_dict())
 
 
 def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, progress: bool = True) -> MiniFolder:
@@ -73,10 +87,10 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
     report["recipe"] = asdict(recipe)
     torch.manual_seed(recipe.seed)
 
-    def timed(stage: str, work) -> None:
+    def timed(stage: str, work: Callable[[], dict]) -> None:
         started = time.perf_counter()
-        final_loss = work()
-        report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), "final_loss": final_loss}
+        outcome = work()
+        report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), **outcome}
         folder.write_report(report)
 
     train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
@@ -85,7 +99,7 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
         texts += [build_prompt(question, recipe.instruction) for question in instruction_texts(recipe)]
         build_word_tokenizer(texts).save_pretrained(folder.tokenizer)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
-    model = _new_model(tokenizer, recipe)
+    model = _new_model(tokenizer, recipe.seed)
     preprocess = clip_image_preprocessor(MINI.image_size)
     attributes = image_attributes(train)
 
@@ -95,11 +109,11 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
         image_ids = sorted(attributes)
         first_sample = {s.image_id: s for s in reversed(train)}
 
-        def vision_stage() -> float:
+        def vision_stage() -> dict:
             pixels = preprocess([first_sample[i].image for i in image_ids])
             loss = pretrain_vision(model, pixels, [attributes[i] for i in image_ids], recipe, progress=progress)
             save_model(model, folder.vision)
-            return loss
+            return {"final_loss": loss}
 
         timed("vision", vision_stage)
 
@@ -108,9 +122,10 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
         features.load(folder.features)
     else:
 
-        def feature_stage() -> None:
+        def feature_stage() -> dict:
             features.add([*train, *test], progress=progress)
             features.save(folder.features)
+            return {}
 
         timed("features", feature_stage)
 
@@ -118,19 +133,37 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
         load_weights_into(model, folder.base)
     else:
 
-        def base_stage() -> float:
-            loss = train_base(model, tokenizer, features, attributes, recipe, progress=progress)
-            save_model(model, folder.base)
-            return loss
+        def base_stage() -> dict:
+            attempts = []
+            for seed in range(recipe.seed, recipe.seed + recipe.base_attempts):
+                if seed != recipe.seed:
+                    _reinitialise_language_side(model, _new_model(tokenizer, seed))
+                try:
+                    attempt = train_base(model, tokenizer, features, train, recipe, seed=seed, progress=progress)
+                except BaseComparisonStalled as stalled:
+                    attempts.append(asdict(stalled.attempt))
+                    tqdm.write(f"{stalled}; starting again from a fresh initialisation")
+                    continue
+                attempts.append(asdict(attempt))
+                save_model(model, folder.base)
+                return {"final_loss": attempt.final_loss, "attempts": attempts}
+            return {"attempts": attempts}
 
         timed("base", base_stage)
+        if not folder.base.is_file():
+            raise MiniBuildFailed(
+                f"the base stage did not learn to compare a named attribute with the image in "
+                f"base_attempts={recipe.base_attempts} attempts (seeds {recipe.seed}..{recipe.seed + recipe.base_attempts - 1}; "
+                f"each one's checks are in {folder.report}). The vision stage is kept in {folder.path}; "
+                "try a recipe with more attempts or another seed, e.g. MiniRecipe(base_attempts=5)."
+            )
 
     if not folder.lora.is_file():
 
-        def vqa_stage() -> float:
+        def vqa_stage() -> dict:
             peft_model, loss = train_vqa_lora(model, tokenizer, features, list(train), recipe, progress=progress)
             save_file(get_peft_model_state_dict(peft_model), folder.lora)
-            return loss
+            return {"final_loss": loss}
 
         timed("vqa", vqa_stage)
     report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
@@ -158,7 +191,7 @@ def load_mini(
             "build elsewhere)."
         )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
-    model = _new_model(tokenizer, recipe)
+    model = _new_model(tokenizer, recipe.seed)
     load_weights_into(model, folder.base)
     if stage == "vqa":
         model = apply_lora(model, rank=recipe.lora_rank)

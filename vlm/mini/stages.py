@@ -24,18 +24,20 @@ in two epochs, not one (README, "The offline mini model").
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from peft import PeftModel
 from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase, get_wsd_schedule
+from transformers import PreTrainedTokenizerBase
 
+from vlm.answering import answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.lora import apply_lora
-from vlm.mini.attributes import COLORS, SHAPES, ImageAttributes
+from vlm.mini.attributes import COLORS, SHAPES, ImageAttributes, image_attributes
 from vlm.mini.recipe import MiniRecipe
 from vlm.segments import (
     llava_parts,
@@ -45,43 +47,77 @@ from vlm.segments import (
     run_decoder_layers,
     vision_features,
 )
-from vqa import VQASample, build_follow_up_prompt, build_prompt
+from vqa import VQASample, aggregate_accuracy, build_follow_up_prompt, build_prompt
 
 UNKNOWN_LABEL = -1
+
+
+@dataclass
+class StageSchedule:
+    """Learning-rate multiplier per step: linear warmup, a constant rate, then a cosine decay to zero.
+
+    The same curve as transformers' `get_wsd_schedule`, written out because the base
+    stage lengthens the constant part while it runs (until its check passes), which a
+    schedule fixed at construction cannot do. A constant rate rather than a one-cycle
+    schedule: the base's yes/no comparison emerges only after ~1000-2000 steps at the
+    full rate and stalls when the rate has already decayed by then.
+    """
+
+    warmup_steps: int
+    constant_steps: int
+    decay_steps: int
+
+    @classmethod
+    def with_decay_share(cls, steps: int, decay_share: float) -> "StageSchedule":
+        warmup_steps, decay_steps = round(0.05 * steps), round(decay_share * steps)
+        return cls(warmup_steps, steps - warmup_steps - decay_steps, decay_steps)
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.constant_steps + self.decay_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return step / self.warmup_steps
+        decay_progress = (step - self.warmup_steps - self.constant_steps) / max(1, self.decay_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, decay_progress))))
 
 
 def _optimise(
     parameters: Sequence[nn.Parameter],
     *,
-    steps: int,
     lr: float,
-    decay_share: float,
+    schedule: StageSchedule,
     step_loss: Callable[[int], torch.Tensor],
     description: str,
     progress: bool,
+    after_step: Callable[[int], dict[str, str] | None] | None = None,
 ) -> float:
-    """AdamW with warmup, a constant rate, then a cosine decay over the last `decay_share`; returns the last loss.
+    """AdamW on `schedule` until its (possibly growing) total; returns the last loss.
 
-    A constant rate rather than a one-cycle schedule: the base stage's yes/no comparison
-    emerges only after ~1000-2000 steps at the full rate and stalls when the rate has
-    already decayed by then.
+    `after_step(steps_done)` may check the model, lengthen the schedule, or stop the
+    run by raising; what it returns joins the progress bar's readout.
     """
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    schedule = get_wsd_schedule(
-        optimizer, num_warmup_steps=round(0.05 * steps), num_decay_steps=round(decay_share * steps),
-        num_training_steps=steps,
-    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     loss_value = float("nan")
-    with tqdm(range(steps), desc=description, unit="step", disable=not progress) as bar:
-        for step in bar:
+    readout: dict[str, str] = {}
+    step = 0
+    with tqdm(total=schedule.total_steps, desc=description, unit="step", disable=not progress) as bar:
+        while step < schedule.total_steps:
             loss = step_loss(step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            schedule.step()
+            lr_schedule.step()
             loss_value = loss.item()
-            if step % 20 == 0:
-                bar.set_postfix(loss=f"{loss_value:.3f}")
+            checked = after_step(step + 1) if after_step else None
+            if step % 20 == 0 or checked:
+                readout |= {"loss": f"{loss_value:.3f}"} | (checked or {})
+                bar.set_postfix(readout, refresh=False)
+            bar.total = schedule.total_steps
+            bar.update()
+            step += 1
     return loss_value
 
 
@@ -134,9 +170,8 @@ def pretrain_vision(
     parameters = [*parts.vision_tower.parameters(), *shape_head.parameters(), *color_head.parameters()]
     loss = _optimise(
         parameters,
-        steps=recipe.vision_steps,
         lr=recipe.vision_lr,
-        decay_share=recipe.lr_decay_share,
+        schedule=StageSchedule.with_decay_share(recipe.vision_steps, recipe.lr_decay_share),
         step_loss=step_loss,
         description="stage 1/3 vision",
         progress=progress,
@@ -250,28 +285,121 @@ def _random_token_subset(features: torch.Tensor, max_tokens: int, rng: random.Ra
     return features[sorted(rng.sample(range(features.shape[0]), count))]
 
 
+@dataclass
+class BaseAttempt:
+    """One run of the base stage and its checks of the yes/no comparison.
+
+    `yes_no_checks` maps few-token steps done to own-wording yes/no accuracy on the
+    held-out images (few visual tokens, as trained then); `final_yes_no` is the same
+    after the whole stage, with all visual tokens.
+    """
+
+    seed: int
+    yes_no_checks: dict[int, float] = field(default_factory=dict)
+    learned_at_step: int | None = None
+    few_token_steps: int | None = None
+    final_loss: float | None = None
+    final_yes_no: float | None = None
+
+
+class BaseComparisonStalled(RuntimeError):
+    """The base did not learn to compare a named attribute with the image within its few-token steps."""
+
+    def __init__(self, attempt: BaseAttempt, recipe: MiniRecipe) -> None:
+        self.attempt = attempt
+        checks = ", ".join(f"step {step}: {accuracy:.0%}" for step, accuracy in attempt.yes_no_checks.items())
+        super().__init__(
+            f"base stage (seed {attempt.seed}): own-wording yes/no on held-out images still below "
+            f"base_check_accuracy={recipe.base_check_accuracy:.0%} after "
+            f"base_few_tokens_max_steps={recipe.base_few_tokens_max_steps} few-token steps ({checks})"
+        )
+
+
+def own_wording_yes_no(
+    samples: Sequence[VQASample], attributes: Mapping[str, ImageAttributes], recipe: MiniRecipe, rng: random.Random
+) -> list[VQASample]:
+    """A colour and a shape yes/no question per image of `samples`, in the base stage's own wordings.
+
+    Whether the base compares a named attribute with the image, before the VQA stage
+    teaches easy-VQA's wordings and negation.
+    """
+    first_sample = {s.image_id: s for s in reversed(samples)}
+    questions = []
+    for image_id in sorted(first_sample):
+        for attribute in ("color", "shape"):
+            if getattr(attributes[image_id], attribute):
+                question, answer = yes_no_instruction(attributes[image_id], attribute, rng, recipe)
+                questions.append(
+                    replace(first_sample[image_id], question=question, answer=answer, question_kind=f"base {attribute} yes/no")
+                )
+    return questions
+
+
+def _yes_no_accuracy(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    features: VisionFeatureCache,
+    questions: Sequence[VQASample],
+    recipe: MiniRecipe,
+    visual_tokens: int | None,
+) -> float:
+    """Accuracy on `questions` from `visual_tokens` random tokens per image (the same ones every call), or all."""
+    rng = random.Random(recipe.seed)
+
+    def keep(_: VQASample, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[sorted(rng.sample(range(tokens.shape[0]), min(visual_tokens, tokens.shape[0])))]
+
+    answers = answer_questions(
+        model, tokenizer, features, questions, instruction=recipe.instruction,
+        visual_tokens=keep if visual_tokens else None, max_new_tokens=2, progress=False,
+    )
+    return aggregate_accuracy(answers, questions).overall.accuracy
+
+
 def train_base(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     features: VisionFeatureCache,
-    attributes: dict[str, ImageAttributes],
+    samples: Sequence[VQASample],
     recipe: MiniRecipe,
     *,
+    seed: int,
     progress: bool = True,
-) -> float:
-    """Projector + decoder (+ embeddings and LM head) on captions and caption-made instructions."""
+) -> BaseAttempt:
+    """Projector + decoder (+ embeddings and LM head) on captions and caption-made instructions.
+
+    Every `base_check_every` few-token steps the base answers own-wording yes/no
+    questions about training images it never trains on. The few-token phase goes on
+    past its planned length, check by check, until the check reaches
+    `base_check_accuracy`; at `base_few_tokens_max_steps` without that it raises
+    `BaseComparisonStalled`.
+    """
     parts = llava_parts(model)
     parts.vision_tower.requires_grad_(False)
     # dict.fromkeys: the LM head may be tied to the embeddings; optimise each tensor once.
     trainable = list(
         dict.fromkeys([*parts.projector.parameters(), *parts.language_model.parameters(), *parts.lm_head.parameters()])
     )
-    few_tokens_steps = round(recipe.base_few_tokens_share * recipe.base_steps)
+    attributes = image_attributes(samples)
     described = sorted(image_id for image_id, a in attributes.items() if a.shape or a.color)
-    rng = random.Random(recipe.seed)
+    if recipe.base_check_images >= len(described):
+        raise ValueError(
+            f"base_check_images={recipe.base_check_images}: must be below the {len(described)} described "
+            "training images, which the base also trains on"
+        )
+    held_out = set(random.Random(recipe.seed).sample(described, recipe.base_check_images))
+    described = [image_id for image_id in described if image_id not in held_out]
+    check_questions = own_wording_yes_no(
+        [s for s in samples if s.image_id in held_out], attributes, recipe, random.Random(recipe.seed)
+    )
+    schedule = StageSchedule.with_decay_share(recipe.base_steps, recipe.lr_decay_share)
+    # The few-token phase ends here (one more check interval each time the check fails at its end).
+    few_tokens_end = round(recipe.base_few_tokens_share * recipe.base_steps)
+    attempt = BaseAttempt(seed=seed)
+    rng = random.Random(seed)
 
     def step_loss(step: int) -> torch.Tensor:
-        few_tokens = step < few_tokens_steps
+        few_tokens = step < few_tokens_end
         max_tokens = recipe.base_few_tokens_max if few_tokens else parts.config.image_seq_length
         turns = 1 if few_tokens else recipe.base_all_tokens_turns
         image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size // turns)]
@@ -284,13 +412,31 @@ def train_base(
             recipe.instruction,
         )
 
+    def check_comparison(steps_done: int) -> dict[str, str] | None:
+        nonlocal few_tokens_end
+        if steps_done > few_tokens_end or (steps_done % recipe.base_check_every and steps_done != few_tokens_end):
+            return None
+        accuracy = _yes_no_accuracy(model, tokenizer, features, check_questions, recipe, recipe.base_few_tokens_max)
+        attempt.yes_no_checks[steps_done] = accuracy
+        if attempt.learned_at_step is None and accuracy >= recipe.base_check_accuracy:
+            attempt.learned_at_step = steps_done
+        if attempt.learned_at_step is None and steps_done == few_tokens_end:
+            if steps_done >= recipe.base_few_tokens_max_steps:
+                raise BaseComparisonStalled(attempt, recipe)
+            extension = min(recipe.base_check_every, recipe.base_few_tokens_max_steps - steps_done)
+            few_tokens_end += extension
+            schedule.constant_steps += extension
+        return {"yes/no": f"{accuracy:.0%}"}
+
     model.train()
-    loss = _optimise(
-        trainable, steps=recipe.base_steps, lr=recipe.base_lr, decay_share=recipe.lr_decay_share, step_loss=step_loss, description="stage 2/3 base",
-        progress=progress,
+    attempt.final_loss = _optimise(
+        trainable, lr=recipe.base_lr, schedule=schedule, step_loss=step_loss,
+        description=f"stage 2/3 base (seed {seed})", progress=progress, after_step=check_comparison,
     )
     model.eval()
-    return loss
+    attempt.few_token_steps = few_tokens_end
+    attempt.final_yes_no = _yes_no_accuracy(model, tokenizer, features, check_questions, recipe, None)
+    return attempt
 
 
 def image_conversations(samples: Sequence[VQASample], max_turns: int, rng: random.Random) -> list[list[VQASample]]:
@@ -340,9 +486,8 @@ def train_vqa_lora(
     peft_model.train()
     loss = _optimise(
         [p for p in peft_model.parameters() if p.requires_grad],
-        steps=recipe.vqa_steps,
         lr=recipe.vqa_lr,
-        decay_share=recipe.lr_decay_share,
+        schedule=StageSchedule.with_decay_share(recipe.vqa_steps, recipe.lr_decay_share),
         step_loss=step_loss,
         description="stage 3/3 VQA LoRA",
         progress=progress,

@@ -1,18 +1,25 @@
 """The build pipeline on a few optimisation steps: stages, caching, resume, loading, determinism."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlm.loading import ModelNotAvailableError, load_model
+from vlm.loading import ModelNotAvailableError, build_random_model, load_model
 from vlm.lora import lora_parameters
 from vlm.mini import MiniFolder, MiniRecipe, build_mini, load_mini
+from vlm.mini.build import MiniBuildFailed, _reinitialise_language_side
+from vlm.profiles import TINY
+from vlm.segments import llava_parts
 
 QUICK = MiniRecipe(
-    vision_steps=2, vision_batch_size=4, base_steps=2, base_batch_size=4, vqa_steps=2, vqa_batch_size=4
+    vision_steps=2, vision_batch_size=4, base_steps=2, base_batch_size=4, vqa_steps=2, vqa_batch_size=4,
+    base_check_every=1, base_check_images=8, base_check_accuracy=0.0, base_few_tokens_max_steps=2,
 )
+# A few optimisation steps cannot answer every check question right.
+NEVER_LEARNS = replace(QUICK, base_check_accuracy=1.0, base_few_tokens_max_steps=3, base_attempts=2)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +41,39 @@ def test_every_stage_is_recorded_with_its_time(built):
     assert report["recipe"]["vision_steps"] == 2
     for path in (folder.tokenizer, folder.vision, folder.features, folder.base, folder.lora):
         assert path.exists(), path
+    (attempt,) = report["stages"]["base"]["attempts"]
+    assert attempt["seed"] == 0 and attempt["learned_at_step"] == 1 and attempt["few_token_steps"] == 2
+    assert list(attempt["yes_no_checks"]) == ["1", "2"]
+    assert 0.0 <= attempt["final_yes_no"] <= 1.0
+
+
+def test_a_base_that_never_learns_the_comparison_is_retried_then_fails_clearly(built, tmp_path):
+    folder, _ = built
+    stalls = MiniFolder(NEVER_LEARNS, tmp_path)
+    stalls.path.mkdir(parents=True)
+    # The check settings do not touch the vision stage, so its outputs carry over.
+    shutil.copytree(folder.tokenizer, stalls.tokenizer)
+    for path in (folder.vision, folder.features):
+        shutil.copy(path, stalls.path / path.name)
+    with pytest.raises(MiniBuildFailed, match=r"base_attempts=2 attempts \(seeds 0..1"):
+        build_mini(NEVER_LEARNS, root=tmp_path, progress=False)
+    attempts = stalls.read_report()["stages"]["base"]["attempts"]
+    assert [a["seed"] for a in attempts] == [0, 1]
+    # Planned: 2 few-token steps; the failed check at step 2 extends the phase to the maximum, 3.
+    assert all(list(a["yes_no_checks"]) == ["1", "2", "3"] for a in attempts)
+    assert all(a["learned_at_step"] is None and max(a["yes_no_checks"].values()) < 1.0 for a in attempts)
+    assert stalls.vision.is_file() and not stalls.base.exists()
+
+
+def test_a_fresh_start_reinitialises_the_language_side_and_keeps_the_vision_tower():
+    model, fresh = build_random_model(TINY, seed=0), build_random_model(TINY, seed=1)
+    vision_before = {n: p.clone() for n, p in llava_parts(model).vision_tower.named_parameters()}
+    _reinitialise_language_side(model, fresh)
+    parts, fresh_parts = llava_parts(model), llava_parts(fresh)
+    assert all(torch.equal(p, vision_before[n]) for n, p in parts.vision_tower.named_parameters())
+    for name in ("projector", "language_model", "lm_head"):
+        fresh_state = getattr(fresh_parts, name).state_dict()
+        assert all(torch.equal(t, fresh_state[k]) for k, t in getattr(parts, name).state_dict().items())
 
 
 def test_a_finished_build_is_reused_not_retrained(built):

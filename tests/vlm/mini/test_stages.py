@@ -1,13 +1,16 @@
-"""How the stages cut the data into conversations, and the recipe's checks on its settings."""
+"""How the stages cut the data into conversations, the base's own-wording check questions, and the recipe's checks on its settings."""
 
 import random
+import re
 from collections import Counter
 
 import pytest
+import torch
+from transformers import get_wsd_schedule
 
-from vlm.mini.attributes import ImageAttributes
+from vlm.mini.attributes import COLORS, SHAPES, ImageAttributes, image_attributes
 from vlm.mini.recipe import MiniRecipe
-from vlm.mini.stages import distinct_instructions, image_conversations
+from vlm.mini.stages import StageSchedule, distinct_instructions, image_conversations, own_wording_yes_no
 from vqa import load_vqa
 
 
@@ -44,6 +47,27 @@ def test_a_base_conversation_never_repeats_a_question():
         assert len({question for question, _ in turns}) == 4
 
 
+def test_own_wording_checks_ask_colour_and_shape_of_each_image_and_answer_them_truly():
+    samples = list(load_vqa("easyvqa", "train"))[:600]
+    attributes = image_attributes(samples)
+    recipe = MiniRecipe()
+    questions = own_wording_yes_no(samples, attributes, recipe, random.Random(0))
+    vocabulary = {"color": (recipe.color_yes_no_wordings, COLORS), "shape": (recipe.shape_yes_no_wordings, SHAPES)}
+    for question in questions:
+        kind = question.question_kind.split()[1]
+        wordings, values = vocabulary[kind]
+        asked = next(word for word in re.findall(r"[a-z]+", question.question) if word in values)
+        assert question.question in {wording.format(asked) for wording in wordings}
+        truth = getattr(attributes[question.image_id], kind)
+        assert question.answer == ("yes" if asked == truth else "no")
+    expected = sum(bool(a.color) + bool(a.shape) for a in attributes.values())
+    assert len(questions) == expected
+    assert 0.35 < Counter(q.answer for q in questions)["yes"] / len(questions) < 0.65
+    assert [q.question for q in questions] == [
+        q.question for q in own_wording_yes_no(samples, attributes, recipe, random.Random(0))
+    ]
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -51,8 +75,33 @@ def test_a_base_conversation_never_repeats_a_question():
         ({"base_all_tokens_turns": 0}, "base_all_tokens_turns=0"),
         ({"vqa_max_turns": 0}, "vqa_max_turns=0: must be at least 1"),
         ({"vision_token_loss_weight": -1.0}, "vision_token_loss_weight=-1.0: must be >= 0"),
+        ({"base_few_tokens_max_steps": 2000}, "base_few_tokens_max_steps=2000: must be at least the 2625 planned"),
+        ({"base_check_every": 0}, "base_check_every=0: must be at least 1"),
+        ({"base_check_accuracy": 1.5}, r"base_check_accuracy=1.5: must be within \[0, 1\]"),
+        ({"base_attempts": 0}, "base_attempts=0: must be at least 1"),
     ],
 )
-def test_recipe_rejects_turn_settings_that_do_not_fit(settings, message):
+def test_recipe_rejects_settings_that_do_not_fit(settings, message):
     with pytest.raises(ValueError, match=message):
         MiniRecipe(**settings)
+
+
+@pytest.mark.parametrize(("steps", "decay_share"), [(200, 0.25), (37, 0.5), (10, 0.0)])
+def test_the_stage_schedule_is_transformers_warmup_stable_decay(steps, decay_share):
+    schedule = StageSchedule.with_decay_share(steps, decay_share)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_wsd_schedule(
+        optimizer, num_warmup_steps=round(0.05 * steps), num_decay_steps=round(decay_share * steps),
+        num_training_steps=steps,
+    )
+    assert schedule.total_steps == steps
+    for step in range(steps):
+        assert schedule(step) == pytest.approx(reference.lr_lambdas[0](step), abs=1e-12)
+
+
+def test_lengthening_the_constant_part_delays_the_decay():
+    schedule = StageSchedule(warmup_steps=2, constant_steps=3, decay_steps=4)
+    before = [schedule(step) for step in range(9)]
+    schedule.constant_steps += 5
+    after = [schedule(step) for step in range(14)]
+    assert after[:5] == before[:5] and after[5:10] == [1.0] * 5 and after[10:] == before[5:]
