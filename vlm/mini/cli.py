@@ -7,7 +7,7 @@ from pathlib import Path
 from vlm.answering import answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.loading import ModelNotAvailableError
-from vlm.mini.build import STAGES, MiniFolder, build_mini, load_mini
+from vlm.mini.build import STAGES, MiniBuildFailed, MiniFolder, build_mini, load_mini
 from vlm.mini.recipe import MiniRecipe
 from vqa import aggregate_accuracy, load_vqa
 
@@ -42,12 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--stage", choices=STAGES, default="vqa")
     evaluate.add_argument("--limit", type=int, default=None, help="score a seeded random subset of this size")
     args = parser.parse_args(argv)
-    if args.command == "build":
-        folder = build_mini(MiniRecipe(), root=args.cache_dir)
-        print(json.dumps(folder.read_report(), indent=2))
-        print(f"built in {folder.path}")
-    else:
-        print(json.dumps(_evaluate(args.stage, args.limit, args.cache_dir), indent=2))
+    try:
+        if args.command == "build":
+            folder = build_mini(MiniRecipe(), root=args.cache_dir)
+            print(json.dumps(folder.read_report(), indent=2))
+            print(f"built in {folder.path}")
+        else:
+            print(json.dumps(_evaluate(args.stage, args.limit, args.cache_dir), indent=2))
+    except MiniBuildFailed as failure:
+        parser.exit(1, f"qpriv-mini: {failure}\n")
 
 
 if __name__ == "__main__":

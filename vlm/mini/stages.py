@@ -24,6 +24,7 @@ in two epochs, not one (README, "The offline mini model").
 
 import math
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -183,18 +184,21 @@ def pretrain_vision(
 def _generated_instruction(attributes: ImageAttributes, rng: random.Random, recipe: MiniRecipe) -> tuple[str, str]:
     """One (question, answer) made from an image's caption; yes and no equally likely."""
     tasks = ["describe"]
-    if attributes.color:
-        tasks += ["is_color"] * recipe.base_yes_no_weight + ["which_color"]
-    if attributes.shape:
-        tasks += ["is_shape"] * recipe.base_yes_no_weight + ["which_shape"]
-    task = rng.choice(tasks)
+    for attribute in ("color", "shape"):
+        if getattr(attributes, attribute):
+            tasks += [f"is_{attribute}"] * recipe.base_yes_no_weight + [f"which_{attribute}"]
+            tasks += [f"repeat_{attribute}"] * recipe.base_repeat_weight
+    task, _, attribute = rng.choice(tasks).partition("_")
     if task == "describe":
         return "Describe the image.", attributes.caption()
-    if task == "which_color":
+    if task == "which" and attribute == "color":
         return "Which color does the shape have?", attributes.color
-    if task == "which_shape":
+    if task == "which":
         return "Which shape is it?", attributes.shape
-    return yes_no_instruction(attributes, "color" if task == "is_color" else "shape", rng, recipe)
+    question, answer = yes_no_instruction(attributes, attribute, rng, recipe)
+    if task == "is":
+        return question, answer
+    return repeat_instruction(attribute, question), _asked_value(attribute, question)
 
 
 def distinct_instructions(
@@ -223,11 +227,25 @@ def yes_no_instruction(
     return rng.choice(yes_no_wordings(recipe, attribute)).format(asked), "yes" if asked == truth else "no"
 
 
+def repeat_instruction(attribute: str, question: str) -> str:
+    """Text-only reading: repeat the colour or shape a yes/no question names (see the recipe)."""
+    return f"Repeat the {attribute}: {question}"
+
+
+def _asked_value(attribute: str, question: str) -> str:
+    values = COLORS if attribute == "color" else SHAPES
+    return next(word for word in re.findall(r"[a-z]+", question.lower()) if word in values)
+
+
 def instruction_texts(recipe: MiniRecipe) -> list[str]:
     """Every word the base stage's generated instructions can use (for the tokenizer)."""
     texts = ["Describe the image.", "Which color does the shape have?", "Which shape is it?"]
-    texts += [wording.format(color) for wording in recipe.color_yes_no_wordings for color in COLORS]
-    texts += [wording.format(shape) for wording in recipe.shape_yes_no_wordings for shape in SHAPES]
+    yes_no = {
+        attribute: [wording.format(value) for wording in yes_no_wordings(recipe, attribute) for value in values]
+        for attribute, values in (("color", COLORS), ("shape", SHAPES))
+    }
+    texts += [question for questions in yes_no.values() for question in questions]
+    texts += [repeat_instruction(attribute, questions[0]) for attribute, questions in yes_no.items()]
     return texts
 
 

@@ -47,6 +47,22 @@ def test_a_base_conversation_never_repeats_a_question():
         assert len({question for question, _ in turns}) == 4
 
 
+def test_a_repeat_instruction_answers_the_attribute_its_question_names_not_the_one_seen():
+    rng, recipe = random.Random(0), MiniRecipe()
+    attributes = ImageAttributes(shape="circle", color="red")
+    repeats = [
+        (question, answer)
+        for question, answer in (distinct_instructions(attributes, 1, rng, recipe)[0] for _ in range(2000))
+        if question.startswith("Repeat the ")
+    ]
+    assert 0.1 < len(repeats) / 2000 < 0.4
+    for question, answer in repeats:
+        attribute, named = question.removeprefix("Repeat the ").split(": ", 1)
+        assert named in {w.format(answer) for w in (recipe.color_yes_no_wordings + recipe.shape_yes_no_wordings)}
+        assert answer in (COLORS if attribute == "color" else SHAPES)
+    assert {answer for _, answer in repeats} - {"red", "circle"}, "only ever repeated the attribute seen"
+
+
 def test_own_wording_checks_ask_colour_and_shape_of_each_image_and_answer_them_truly():
     samples = list(load_vqa("easyvqa", "train"))[:600]
     attributes = image_attributes(samples)
