@@ -142,7 +142,8 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
                     attempt = train_base(model, tokenizer, features, train, recipe, seed=seed, progress=progress)
                 except BaseComparisonStalled as stalled:
                     attempts.append(asdict(stalled.attempt))
-                    tqdm.write(f"{stalled}; starting again from a fresh initialisation")
+                    retry = seed < recipe.seed + recipe.base_attempts - 1
+                    tqdm.write(f"{stalled}; " + ("starting again from a fresh initialisation" if retry else "no tries left"))
                     continue
                 attempts.append(asdict(attempt))
                 save_model(model, folder.base)
@@ -151,11 +152,12 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
 
         timed("base", base_stage)
         if not folder.base.is_file():
+            last_seed = recipe.seed + recipe.base_attempts - 1
             raise MiniBuildFailed(
                 f"the base stage did not learn to compare a named attribute with the image in "
-                f"base_attempts={recipe.base_attempts} attempts (seeds {recipe.seed}..{recipe.seed + recipe.base_attempts - 1}; "
-                f"each one's checks are in {folder.report}). The vision stage is kept in {folder.path}; "
-                "try a recipe with more attempts or another seed, e.g. MiniRecipe(base_attempts=5)."
+                f"base_attempts={recipe.base_attempts} attempts (seeds {recipe.seed}..{last_seed}; each one's checks "
+                f"are in {folder.report}). The vision stage is kept in {folder.path}; from Python, build a recipe "
+                "with more attempts or another seed, e.g. build_mini(MiniRecipe(base_attempts=5))."
             )
 
     if not folder.lora.is_file():

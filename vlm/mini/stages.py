@@ -18,8 +18,11 @@ with one constant, and a base that learned the question logic over *text*
 descriptions did not transfer it to the image (yes/no stayed at the 82% prior).
 So the base learns to compare a named attribute with the image (few visual tokens per
 sequence make that emerge early; yes/no tasks come often and in several positive
-wordings), leaving the LoRA stage easy-VQA's wordings and negation — which it learns
-in two epochs, not one (README, "The offline mini model").
+wordings; a text-only task teaches reading the attribute a question names, without
+which when — or whether — the comparison emerged was luck), leaving the LoRA stage
+easy-VQA's wordings and negation — which it learns in two epochs, not one (README,
+"The offline mini model"). The base checks the comparison as it trains and starts
+again from another seed if it never comes.
 """
 
 import math
@@ -60,8 +63,8 @@ class StageSchedule:
     The same curve as transformers' `get_wsd_schedule`, written out because the base
     stage lengthens the constant part while it runs (until its check passes), which a
     schedule fixed at construction cannot do. A constant rate rather than a one-cycle
-    schedule: the base's yes/no comparison emerges only after ~1000-2000 steps at the
-    full rate and stalls when the rate has already decayed by then.
+    schedule: the base's yes/no comparison takes hundreds of steps (thousands, before
+    the repeat task) at the full rate to emerge and stalls if the rate has decayed by then.
     """
 
     warmup_steps: int
@@ -347,9 +350,8 @@ def own_wording_yes_no(
         for attribute in ("color", "shape"):
             if getattr(attributes[image_id], attribute):
                 question, answer = yes_no_instruction(attributes[image_id], attribute, rng, recipe)
-                questions.append(
-                    replace(first_sample[image_id], question=question, answer=answer, question_kind=f"base {attribute} yes/no")
-                )
+                kind = f"base {attribute} yes/no"
+                questions.append(replace(first_sample[image_id], question=question, answer=answer, question_kind=kind))
     return questions
 
 

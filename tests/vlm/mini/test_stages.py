@@ -1,4 +1,5 @@
-"""How the stages cut the data into conversations, the base's own-wording check questions, and the recipe's checks on its settings."""
+"""The stages' data: conversations, generated instructions and the base's check questions;
+the learning-rate schedule; the recipe's checks on its settings."""
 
 import random
 import re
