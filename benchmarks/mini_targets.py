@@ -153,7 +153,14 @@ def main() -> None:
 
 
 def plot(results: dict, path: Path) -> None:
-    figure, (curve, probe) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (checks, curve, probe) = plt.subplots(1, 3, figsize=(16, 4))
+    for attempt in results["build"]["stages"]["base"]["attempts"]:
+        steps = [int(step) for step in attempt["yes_no_checks"]]
+        checks.plot(steps, list(attempt["yes_no_checks"].values()), marker="o", label=f"seed {attempt['seed']}")
+    checks.axhline(results["build"]["recipe"]["base_check_accuracy"], color="gray", ls="--", label="pass")
+    checks.set(xlabel="base stage, few-token step", ylabel="own-wording yes/no (held-out training images)",
+               title="Base: the yes/no comparison emerging")
+    checks.legend(fontsize=8)
     keep = results["vqa"]["random_keep_curve"]
     fractions = [float(f) for f in keep]
     for kind in ("overall", "yes/no", "shape", "color"):

@@ -493,12 +493,18 @@ def train_vqa_lora(
     rng = random.Random(recipe.seed)
     conversations = image_conversations(samples, recipe.vqa_max_turns, rng)
 
+    def visual_tokens(image_id: str) -> torch.Tensor:
+        tokens = features[image_id]
+        if rng.random() < recipe.vqa_random_keep_share:
+            return _random_token_subset(tokens, tokens.shape[0], rng)
+        return tokens
+
     def step_loss(_: int) -> torch.Tensor:
         batch = [rng.sample(c, len(c)) for c in rng.choices(conversations, k=recipe.vqa_batch_size)]
         return _lm_loss(
             peft_model,
             tokenizer,
-            [features[turns[0].image_id] for turns in batch],
+            [visual_tokens(turns[0].image_id) for turns in batch],
             [[(sample.question, sample.answer) for sample in turns] for turns in batch],
             recipe.instruction,
         )

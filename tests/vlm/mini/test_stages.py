@@ -96,6 +96,7 @@ def test_own_wording_checks_ask_colour_and_shape_of_each_image_and_answer_them_t
         ({"base_check_every": 0}, "base_check_every=0: must be at least 1"),
         ({"base_check_accuracy": 1.5}, r"base_check_accuracy=1.5: must be within \[0, 1\]"),
         ({"base_attempts": 0}, "base_attempts=0: must be at least 1"),
+        ({"vqa_random_keep_share": -0.1}, r"vqa_random_keep_share=-0.1: must be within \[0, 1\]"),
     ],
 )
 def test_recipe_rejects_settings_that_do_not_fit(settings, message):
