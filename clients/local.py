@@ -35,7 +35,7 @@ def train_steps(rt: ClientRuntime, optimizer: torch.optim.Optimizer, steps: int,
             )
             loss = next_token_loss(logits, inputs.labels) / grad_accum
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         optimizer.step()
         rt.step += 1
     return {
