@@ -143,7 +143,8 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
                 except BaseComparisonStalled as stalled:
                     attempts.append(asdict(stalled.attempt))
                     retry = seed < recipe.seed + recipe.base_attempts - 1
-                    tqdm.write(f"{stalled}; " + ("starting again from a fresh initialisation" if retry else "no tries left"))
+                    next_step = "starting again from a fresh initialisation" if retry else "no tries left"
+                    tqdm.write(f"{stalled}; {next_step}")
                     continue
                 attempts.append(asdict(attempt))
                 save_model(model, folder.base)
