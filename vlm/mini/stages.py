@@ -27,7 +27,6 @@ again from another seed if it never comes.
 
 import math
 import random
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -198,10 +197,10 @@ def _generated_instruction(attributes: ImageAttributes, rng: random.Random, reci
         return "Which color does the shape have?", attributes.color
     if task == "which":
         return "Which shape is it?", attributes.shape
-    question, answer = yes_no_instruction(attributes, attribute, rng, recipe)
     if task == "is":
-        return question, answer
-    return repeat_instruction(attribute, question), _asked_value(attribute, question)
+        return yes_no_instruction(attributes, attribute, rng, recipe)
+    question, asked, _ = _named_yes_no_question(attributes, attribute, rng, recipe)
+    return repeat_instruction(attribute, question), asked
 
 
 def distinct_instructions(
@@ -220,24 +219,27 @@ def yes_no_wordings(recipe: MiniRecipe, attribute: str) -> tuple[str, ...]:
     return recipe.color_yes_no_wordings if attribute == "color" else recipe.shape_yes_no_wordings
 
 
+def _named_yes_no_question(
+    attributes: ImageAttributes, attribute: str, rng: random.Random, recipe: MiniRecipe
+) -> tuple[str, str, str]:
+    """(question, the value it names, the image's value): a question about `attribute`
+    ("color" or "shape") in one of the recipe's wordings, naming the true value half of the time."""
+    truth, choices = (attributes.color, COLORS) if attribute == "color" else (attributes.shape, SHAPES)
+    asked = truth if rng.random() < 0.5 else rng.choice([c for c in choices if c != truth])
+    return rng.choice(yes_no_wordings(recipe, attribute)).format(asked), asked, truth
+
+
 def yes_no_instruction(
     attributes: ImageAttributes, attribute: str, rng: random.Random, recipe: MiniRecipe
 ) -> tuple[str, str]:
-    """A yes/no question about `attribute` ("color" or "shape") in one of the recipe's
-    wordings, true half of the time."""
-    truth, choices = (attributes.color, COLORS) if attribute == "color" else (attributes.shape, SHAPES)
-    asked = truth if rng.random() < 0.5 else rng.choice([c for c in choices if c != truth])
-    return rng.choice(yes_no_wordings(recipe, attribute)).format(asked), "yes" if asked == truth else "no"
+    """A yes/no question about `attribute` in one of the recipe's wordings, true half of the time."""
+    question, asked, truth = _named_yes_no_question(attributes, attribute, rng, recipe)
+    return question, "yes" if asked == truth else "no"
 
 
 def repeat_instruction(attribute: str, question: str) -> str:
     """Text-only reading: repeat the colour or shape a yes/no question names (see the recipe)."""
     return f"Repeat the {attribute}: {question}"
-
-
-def _asked_value(attribute: str, question: str) -> str:
-    values = COLORS if attribute == "color" else SHAPES
-    return next(word for word in re.findall(r"[a-z]+", question.lower()) if word in values)
 
 
 def instruction_texts(recipe: MiniRecipe) -> list[str]:
