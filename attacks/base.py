@@ -26,8 +26,8 @@ from vqa import VQASample
 from vqa.stamping import MarkRecord
 
 if TYPE_CHECKING:
-    from attacks.replay import ReplayContext
-    from sims.schema import SimConfig
+    from attacks.context import ReplayContext
+    from config import SimConfig
 
 
 class Truth(Protocol):

@@ -35,8 +35,8 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
-from attacks.replay import ATTACK_FOLDER, ReplayContext
-from sims.schema import SimConfig
+from attacks.context import ATTACK_FOLDER, ReplayContext
+from config import SimConfig
 from vqa import VQASample
 
 STATE_FILE = "fsha.pt"

@@ -33,7 +33,7 @@ from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.metrics import membership_metrics
 from attacks.recording import Recording
-from attacks.replay import ReplayContext, final_model
+from attacks.context import ReplayContext, final_model
 from vlm.lora import lora_parameters
 from vlm.segments import (
     merge_multimodal_inputs,

@@ -10,43 +10,21 @@ attack, runs it on the recording, scores it against the run's truth and saves th
 result under `<run folder>/attacks/`.
 """
 
-import copy
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from attacks.base import Attack, AttackResult, attack_class, build_attack
+from attacks.context import ATTACK_FOLDER, ReplayContext
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.recording import Recording
 from attacks.truth import RunTruth, run_texts
-from sims.schema import SimConfig, load_config
+from config import SimConfig, load_config
 from training.model import PartyModel, load_party_model
-from training.store import PrivateStore
-from vlm.cuts import split_layers
-from vlm.lora import load_owner_state_dict
 from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import get_profile
 from vqa import VQASample, load_vqa
-
-ATTACK_FOLDER = "attacks"
-# The server's segment per paradigm (vlm.cuts owners); its adapters are in the server's checkpoint.
-SERVER_OWNER = {"sl": "server", "usl": "body", "fl": "all"}
-
-
-@dataclass
-class ReplayContext:
-    """A recorded run as an attack's `prepare_replay` sees it."""
-
-    folder: Path
-    config: SimConfig
-    knowledge: AttackerKnowledge
-    # The client whose fine-tuned model a query attack targets.
-    partition: int = 0
 
 
 def knowledge_for_run(config: SimConfig, truth: RunTruth, party: PartyModel | None = None) -> AttackerKnowledge:
@@ -78,33 +56,6 @@ def auxiliary_samples(config: SimConfig, truth: RunTruth, limit: int, seed: int 
     if not aux:
         raise ValueError(f"no auxiliary rows left in {data.dataset}/{split} outside the clients' data")
     return aux
-
-
-def final_model(run: ReplayContext) -> nn.Module:
-    """Client `run.partition`'s fine-tuned model after the last committed round: the server's
-    adapters from its checkpoint, the client's from its private store. Query attacks get
-    black-box access to it; they read only its outputs."""
-    config, folder = run.config, run.folder
-    committed = folder / "committed.json"
-    if not committed.exists():
-        raise FileNotFoundError(f"{folder} has no committed round: the run never finished one")
-    round_ = json.loads(committed.read_text())["round"]
-    checkpoint = torch.load(folder / "checkpoints" / f"round-{round_:06d}.pt", weights_only=True)
-    store = PrivateStore(folder / "clients" / f"partition-{run.partition}").load() or {}
-    model = copy.deepcopy(run.knowledge.model)
-    server_owner = SERVER_OWNER.get(config.paradigm)
-    for segment in split_layers(run.knowledge.num_layers, config.cuts):
-        if segment.owner == server_owner:
-            state = checkpoint["arrays"] if config.paradigm == "fl" else checkpoint["lora"]
-        elif segment.owner in store:
-            state = store[segment.owner]["lora"]
-        else:
-            raise FileNotFoundError(
-                f"client partition {run.partition}'s adapters for {segment.owner!r} are not in {folder}/clients/ "
-                "(a node with its own state-dir keeps them there)"
-            )
-        load_owner_state_dict(model, segment, state)
-    return model.eval()
 
 
 def replay(

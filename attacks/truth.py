@@ -25,7 +25,7 @@ from attacks.recording import (
     RecordedTransfer,
 )
 from pruning import VisualTokenSelector
-from sims.schema import SimConfig, load_config
+from config import SimConfig, load_config
 from training.batches import batch_positions
 from training.model import load_party_model
 from training.selector import build_selector

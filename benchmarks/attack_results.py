@@ -46,7 +46,7 @@ from attacks.replay import fit_for_run, replay
 from pruning import DTP_FILE, ORACLE_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
 from sims.inprocess import run_in_process
-from sims.schema import load_config
+from config import load_config
 from vlm.mini import MiniRecipe
 from vlm.mini.build import cache_root
 

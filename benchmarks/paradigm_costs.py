@@ -27,7 +27,7 @@ import torch
 
 from sims.inprocess import run_in_process
 from sims.launch import app_config, launch, stop_local_superlink
-from sims.schema import load_config
+from config import load_config
 from training.batches import batch_positions, decoder_inputs
 from training.model import load_party_model, make_optimizer
 from clients.runtime import build_runtime

@@ -15,7 +15,7 @@ import torch
 from flwr.app import Context
 
 from pruning import VisualTokenSelector
-from sims.schema import SimConfig, load_config
+from config import SimConfig, load_config
 from training.batches import EncodedSample, encode_samples
 from training.model import PartyModel, load_party_model, make_optimizer
 from training.selector import build_selector

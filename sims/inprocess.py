@@ -14,7 +14,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
-from sims.schema import load_config
+from config import load_config
 from strategies.callbacks import RunFolder
 
 

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from sims.schema import load_config
+from config import load_config
 
 
 def app_config(app_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -28,9 +28,10 @@ import torch
 from attacks.fsha import FSHA, STATE_FILE
 from attacks.observations import UNPRUNED_POLICIES, VisualSpans
 from attacks.recording import Recorder
-from attacks.replay import ATTACK_FOLDER, auxiliary_samples, knowledge_for_run
+from attacks.context import ATTACK_FOLDER
+from attacks.replay import auxiliary_samples, knowledge_for_run
 from attacks.truth import RunTruth
-from sims.schema import SimConfig
+from config import SimConfig
 from strategies.callbacks import RunFolder
 from training.model import PartyModel
 from wire import Wire

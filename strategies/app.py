@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from sims.schema import SimConfig, load_config
+from config import SimConfig, load_config
 from strategies.adversarial import FSHAHijack, subscribe_recorder
 from strategies.base import RoundStrategy
 from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details

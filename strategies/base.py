@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from pruning import PruningRecord
-from sims.schema import SimConfig
+from config import SimConfig
 from strategies.callbacks import RunCallback
 from training import protocol
 from wire import Wire, WireError

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sims.schema import SimConfig
+from config import SimConfig
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from pruning import PruningRecord
-from sims.schema import SimConfig
+from config import SimConfig
 from strategies.base import ClientFault, pruning_record
 from strategies.callbacks import RunCallback
 from training import protocol

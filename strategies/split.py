@@ -20,7 +20,7 @@ import torch
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
-from sims.schema import SimConfig
+from config import SimConfig
 from pruning import PruningRecord
 from strategies.base import FAULTS, RoundStrategy, pruning_record
 from strategies.callbacks import RunCallback

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from peft import PeftModel
 
-from sims.schema import SimConfig
+from config import SimConfig
 from vlm.cuts import LayerSegment, split_layers
 from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model, clip_image_preprocessor, load_model
 from vlm.lora import apply_lora

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pruning import PolicyContext, VisualTokenSelector, build_policy
-from sims.schema import SimConfig
+from config import SimConfig
 from vqa import VQASample
 
 

@@ -12,7 +12,7 @@ from attacks.replay import knowledge_for_run, replay
 from attacks.truth import RunTruth
 from clients.app import app as client_app
 from sims.inprocess import InProcessGrid
-from sims.schema import load_config
+from config import load_config
 from strategies import app as server_app
 from strategies.app import run
 from vlm.features import VisionFeatureCache

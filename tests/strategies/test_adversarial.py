@@ -12,10 +12,11 @@ from flwr.app import Context, RecordDict
 from attacks import Recording
 from attacks.fsha import FSHA, STATE_FILE
 from attacks.knowledge import split_packed, visual_rows
-from attacks.replay import ATTACK_FOLDER, auxiliary_samples, knowledge_for_run, replay
+from attacks.context import ATTACK_FOLDER
+from attacks.replay import auxiliary_samples, knowledge_for_run, replay
 from attacks.truth import RunTruth
 from clients.app import app as client_app
-from sims.schema import ConfigError, load_config
+from config import ConfigError, load_config
 from strategies import app as server_app
 from strategies.app import run
 from training import protocol

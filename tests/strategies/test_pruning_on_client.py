@@ -10,7 +10,7 @@ from clients import runtime as client_runtime_module
 from clients.app import app as client_app
 from pruning import keep_count
 from pruning.metrics import RECORD_PREFIX
-from sims.schema import load_config
+from config import load_config
 from strategies.app import run
 from training.selector import build_selector
 from wire.wire import RAW_STYPE

@@ -7,7 +7,7 @@ import torch
 from flwr.app import Message
 
 from clients.app import app as client_app
-from sims.schema import load_config
+from config import load_config
 from strategies.app import run
 from training import protocol
 from training.store import PrivateStore

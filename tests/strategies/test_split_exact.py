@@ -5,7 +5,7 @@ import torch
 
 from clients.app import app as client_app
 from clients.runtime import build_runtime
-from sims.schema import load_config
+from config import load_config
 from strategies.app import run
 from training.batches import batch_positions, decoder_inputs
 from training.model import load_party_model, make_optimizer

@@ -5,7 +5,7 @@ from flwr.app import Message
 
 from clients.app import app as client_app
 from pruning.metrics import RECORD_PREFIX
-from sims.schema import load_config
+from config import load_config
 from strategies import app as server_app
 from strategies.app import run
 

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from sims.launch import app_config, parse_overrides
-from sims.schema import ConfigError, SimConfig, _flatten, load_config
+from config import ConfigError, SimConfig, load_config
+from config.schema import _flatten
 from omegaconf import OmegaConf
 
 SIMS = sorted(p.parent for p in Path(__file__).parents[2].joinpath("sims").glob("*/pyproject.toml"))
