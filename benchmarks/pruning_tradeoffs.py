@@ -209,17 +209,15 @@ def load_benchmark(questions: int, seed: int) -> Benchmark:
 def keep_and_sensitivity(
     selector: VisualTokenSelector, features: VisionFeatureCache, samples: Sequence[VQASample]
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Per-sample keep indices, and the policy's own sensitivity map [n, N] when it scores patches
-    (a ScoredSelector's `score`: a second pass of the small module, so selectors stay indices-only)."""
-    score = getattr(selector, "score", None)
+    """Per-sample keep indices, and the policy's own sensitivity map [n, N] when it scores patches."""
     keep: list[torch.Tensor] = []
     maps = []
     for start in range(0, len(samples), BATCH):
         batch = samples[start : start + BATCH]
-        stacked = features.stack(batch)
-        keep.extend(indices.cpu() for indices in selector(stacked, batch))
-        if score is not None:
-            maps.append(score(stacked, batch).sensitivity.cpu())
+        selection = selector(features.stack(batch), batch)
+        keep.extend(indices.cpu() for indices in selection.keep)
+        if selection.sensitivity is not None:
+            maps.append(selection.sensitivity.cpu())
     return keep, torch.cat(maps) if maps else None
 
 

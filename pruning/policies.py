@@ -1,9 +1,10 @@
 """Pruning policies: a registry of named ways to choose each sample's visual tokens.
 
 Every policy builds a VisualTokenSelector, which runs on the client between the
-frozen vision tower and the projector and returns, per sample, the ascending indices
-of the patches to keep. The indices never leave the client; only the kept tokens'
-activations do.
+frozen vision tower and the projector and returns a Selection: per sample, the
+ascending indices of the patches to keep, and the sensitivity map it ranked with (one
+pass of the module gives both). The indices never leave the client; only the kept
+tokens' activations do.
 
 - off: keep every patch (ρ = 0), the undefended baseline.
 - fixed: the same ρ for every sample, ranked by QPriv-VL's fused score c. The scorer is
@@ -38,9 +39,18 @@ from pruning.profiles import PruningProfile, get_pruning_profile
 from vqa import VQASample
 
 
+@dataclass(frozen=True)
+class Selection:
+    """A batch's choice: per-sample ascending keep indices (LongTensor [k_b]) and the
+    sensitivity map [B, N] of a policy that scores patches (None for one that does not)."""
+
+    keep: list[torch.Tensor]
+    sensitivity: torch.Tensor | None = None
+
+
 class VisualTokenSelector(Protocol):
-    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
-        """features [B, N, Dv] of `samples` -> per-sample ascending keep indices (LongTensor [k_b])."""
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
+        """features [B, N, Dv] of `samples` -> what to keep of each."""
 
 
 @dataclass(frozen=True)
@@ -107,9 +117,9 @@ def build_policy(name: str, context: PolicyContext) -> VisualTokenSelector:
 class KeepAll:
     """Policy "off": every patch, in order."""
 
-    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
         keep = torch.arange(features.shape[1], device=features.device)
-        return [keep for _ in range(features.shape[0])]
+        return Selection([keep for _ in range(features.shape[0])])
 
 
 RatioSource = Callable[[QPrivVLOutput, Sequence[VQASample]], Sequence[float] | torch.Tensor]
@@ -154,7 +164,7 @@ class ScoredSelector:
 
     @torch.no_grad()
     def score(self, features: torch.Tensor, samples: Sequence[VQASample]) -> QPrivVLOutput:
-        """The module's forward on a batch (for the selection and for metrics)."""
+        """The module's forward on a batch: every map and the predicted ratio."""
         self.inputs.add(samples)
         parameter = next(self.scorer.parameters())
         as_scorer = {"device": parameter.device, "dtype": parameter.dtype}
@@ -164,10 +174,10 @@ class ScoredSelector:
             self.inputs.dino_patches(samples).to(**as_scorer),
         )
 
-    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> list[torch.Tensor]:
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
         output = self.score(features, samples)
         keep = keep_indices(output.score, self.ratios(output, samples), self.scorer.profile.k_min)
-        return [indices.to(features.device) for indices in keep]
+        return Selection([indices.to(features.device) for indices in keep], output.sensitivity)
 
 
 def _prepared_inputs(profile: PruningProfile, context: PolicyContext) -> tuple[FrozenEncoders, PruningInputCache]:

@@ -85,13 +85,10 @@ def projected_visual_tokens(
     """
     samples = [item.sample for item in batch]
     stacked = features.stack(samples).to(device)
-    keep = selector(stacked, samples)
-    # A scoring policy's own sensitivity map gives the exclusion ratio (a second pass of a
-    # module ~1/1000 of the vision tower's cost, so the selector interface stays indices).
-    score = getattr(selector, "score", None)
-    sensitivity = score(stacked, samples).sensitivity if score is not None else None
+    selection = selector(stacked, samples)
+    keep = selection.keep
     pruned = PruningRecord.of_batch(
-        keep, stacked.shape[1], sensitivity=sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
+        keep, stacked.shape[1], sensitivity=selection.sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
     )
     dtype = next(model.parameters()).dtype
     visual = [

@@ -70,7 +70,7 @@ def test_every_policy_keeps_ascending_indices_as_many_as_its_ratio_says(policy, 
     selector = build_policy(policy, context(ratio=ratio or 0.0))
     batch = samples[:6]
     features = features_for(profile, len(batch))
-    keep = selector(features, batch)
+    keep = selector(features, batch).keep
     if policy == "off":
         counts = [profile.num_patches] * len(batch)
     elif policy == "fixed":
@@ -90,7 +90,7 @@ def test_every_policy_keeps_ascending_indices_as_many_as_its_ratio_says(policy, 
 
 
 def test_the_fixed_papers_grid_keeps_fewer_tokens_as_the_ratio_grows(context, profile, samples):
-    counts = [len(build_policy("fixed", context(ratio=ratio))(features_for(profile, 1), samples[:1])[0]) for ratio in PAPER_GRID]
+    counts = [len(build_policy("fixed", context(ratio=ratio))(features_for(profile, 1), samples[:1]).keep[0]) for ratio in PAPER_GRID]
     assert counts == sorted(counts, reverse=True) and len(set(counts)) == len(counts)
 
 
@@ -98,7 +98,7 @@ def test_the_oracle_keeps_k_min_where_no_ratio_kept_the_answer(context, profile,
     table = oracle_ratios(samples)
     hopeless = [sample for sample in samples if table[oracle_key(sample)] == 1.0]
     assert hopeless
-    keep = build_policy("oracle", context())(features_for(profile, len(hopeless)), hopeless)
+    keep = build_policy("oracle", context())(features_for(profile, len(hopeless)), hopeless).keep
     assert {len(indices) for indices in keep} == {profile.k_min}
 
 
@@ -107,7 +107,7 @@ def test_scored_policies_keep_the_top_of_their_modules_fused_score(policy, conte
     selector = build_policy(policy, context(ratio=0.5 if policy == "fixed" else 0.0))
     batch, features = samples[:4], features_for(profile, 4)
     scores = selector.score(features, batch).score
-    for indices, row in zip(selector(features, batch), scores, strict=True):
+    for indices, row in zip(selector(features, batch).keep, scores, strict=True):
         pruned = torch.ones_like(row, dtype=torch.bool)
         pruned[indices] = False
         if pruned.any():
@@ -136,8 +136,8 @@ def test_which_module_each_policy_ranks_with(context, profile, encoders, samples
 def test_alpha_zero_prunes_the_most_sensitive_patches(context, profile, samples):
     selector = build_policy("fixed", context(ratio=0.5, alpha=0.0, artifacts=None))
     batch, features = samples[:4], features_for(profile, 4)
-    sensitivity = selector.score(features, batch).sensitivity
-    keep = selector(features, batch)
+    selection = selector(features, batch)
+    sensitivity, keep = selection.sensitivity, selection.keep
     for row, indices in zip(sensitivity, keep, strict=True):
         pruned = torch.ones_like(row, dtype=torch.bool)
         pruned[indices] = False
@@ -145,11 +145,25 @@ def test_alpha_zero_prunes_the_most_sensitive_patches(context, profile, samples)
     assert all(ratio >= 1 for ratio in sensitivity_exclusion_ratios(sensitivity, keep))
 
 
+@pytest.mark.parametrize(("policy", "ratio"), POLICIES)
+def test_one_pass_of_the_module_gives_the_keep_indices_and_the_sensitivity_map(policy, ratio, context, profile, samples):
+    selector = build_policy(policy, context(ratio=ratio or 0.0))
+    batch, features = samples[:3], features_for(profile, 3)
+    if policy == "off":
+        assert selector(features, batch).sensitivity is None
+        return
+    passes = []
+    selector.scorer.register_forward_hook(lambda module, args, output: passes.append(output))
+    selection = selector(features, batch)
+    assert len(passes) == 1
+    torch.testing.assert_close(selection.sensitivity, passes[0].sensitivity, rtol=0, atol=0)
+
+
 def test_bf16_features_are_scored_in_the_modules_precision(context, profile, samples):
     selector = build_policy("fixed", context(ratio=0.5))
     features = features_for(profile, 2)
-    assert [k.tolist() for k in selector(features.bfloat16(), samples[:2])] == [
-        k.tolist() for k in selector(features.bfloat16().float(), samples[:2])
+    assert [k.tolist() for k in selector(features.bfloat16(), samples[:2]).keep] == [
+        k.tolist() for k in selector(features.bfloat16().float(), samples[:2]).keep
     ]
 
 

@@ -44,9 +44,9 @@ def test_keep_indices_never_leave_the_client(paradigm, run_config, fake_grid, mo
         selector = build_selector(config, **context)
 
         def select(features, samples):
-            keep = selector(features, samples)
-            chosen.extend(indices.numpy() for indices in keep)
-            return keep
+            selection = selector(features, samples)
+            chosen.extend(indices.numpy() for indices in selection.keep)
+            return selection
 
         return select
 
