@@ -163,7 +163,7 @@ class RunTruth:
             return [torch.arange(patches) for _ in samples]
         features, selector = self._victim_selection
         features.add(samples, progress=False)
-        return [keep.cpu() for keep in selector(features.stack(samples), samples)]
+        return [keep.cpu() for keep in selector(features.stack(samples), samples).keep]
 
     @cached_property
     def _victim_selection(self) -> tuple[VisionFeatureCache, VisualTokenSelector]:

@@ -8,6 +8,7 @@ from flwr.app import Message
 
 from clients.app import app as client_app
 from config import load_config
+from pruning import Selection
 from strategies.app import run
 from training import protocol
 from training.store import PrivateStore
@@ -233,7 +234,7 @@ class KeepFirst:
         self.count = count
 
     def __call__(self, features, samples):
-        return [torch.arange(self.count) for _ in samples]
+        return Selection([torch.arange(self.count) for _ in samples])
 
 
 def test_a_visual_token_selector_plugs_in_on_the_client(run_config, fake_grid, monkeypatch):
