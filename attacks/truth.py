@@ -1,8 +1,8 @@
 """The victims' side of a recording, for scoring attacks (the attacker never reads it).
 
 `StaticTruth` is a truth given outright (tests, hand-made recordings). `RunTruth`
-rebuilds it for a recorded run from the run's config, exactly as the clients built
-their data (clients/runtime.py): the same datasets, partitions and tokenizer, and the
+rebuilds it for a recorded run from the run's config and the data the clients read
+(training.data.RunData: the same datasets, partitions, tokenizer and marks), and the
 batch of each training step from the seeded order (training.batches.batch_positions).
 A split client's step is located by the transfer's round and occurrence; an FL
 update covers its round's T_l steps. Under pruning, the patches each sample sent are
@@ -11,7 +11,7 @@ deterministic function of the image and the question).
 """
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,15 +27,13 @@ from attacks.recording import (
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training.batches import batch_positions
+from training.data import RunData
 from training.model import load_party_model
 from training.selector import build_selector
 from training.store import PrivateStore
 from vlm.features import VisionFeatureCache
-from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import get_profile
-from vqa import VQASample, build_prompt, get_adapter, load_vqa, partition_indices
-from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, mark_records
-from vqa.stamping import MarkRecord
+from vqa import MarkRecord, VQASample
 
 
 @dataclass
@@ -59,11 +57,6 @@ class StaticTruth:
 
     def mark(self, sample: VQASample) -> MarkRecord | None:
         return self.marks_by_image.get(sample.image_id)
-
-
-def run_texts(samples: Sequence[VQASample]) -> list[str]:
-    """The texts the clients build the offline word tokenizer from (clients/runtime.py)."""
-    return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
 
 
 def recorded_node_partitions(run_folder: Path) -> dict[int, int]:
@@ -93,20 +86,10 @@ class RunTruth:
     def __init__(self, config: SimConfig, node_partitions: Mapping[int, int] | None = None,
                  faults: Mapping[tuple[int, int], str] | None = None) -> None:
         self.config = config
-        data = config.data
-        source = data.source or None
-        self.train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None,
-                                  seed=data.seed)
-        self.test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed)
-        count = config.clients.count
-        shards = partition_indices(self.train_all, count, method=data.partition, seed=data.seed, alpha=data.alpha)
-        self.shards = [[self.train_all[i] for i in shard] for shard in shards]
+        self.data = RunData.build(config)
+        self.shards = [list(self.data.train_shard(p)) for p in range(config.clients.count)]
         self.node_partitions = dict(node_partitions) if node_partitions is not None else None
         self.faults = dict(faults or {})
-        self.marks: dict[str, MarkRecord] = {}
-        if isinstance(get_adapter(data.dataset), StampedEasyVQAAdapter):
-            for split in (data.train_split, data.test_split):
-                self.marks.update(mark_records(data.dataset, split, source))
 
     @classmethod
     def from_run_folder(cls, path: str | Path, node_partitions: Mapping[int, int] | None = None) -> "RunTruth":
@@ -169,7 +152,7 @@ class RunTruth:
     def _victim_selection(self) -> tuple[VisionFeatureCache, VisualTokenSelector]:
         """The clients' vision features and token selector, rebuilt from the run's config."""
         party = load_party_model(self.config)
-        tokenizer = party.bundle.tokenizer or build_word_tokenizer(run_texts([*self.train_all, *self.test_all]))
+        tokenizer = self.data.tokenizer(party.bundle)
         features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
         return features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
 
@@ -177,7 +160,7 @@ class RunTruth:
         """Members: every client's training shard. Non-members: the test questions clients score on
         (never trained on) — whose images the training split does not share."""
         members = [s for shard in self.shards for s in shard]
-        return members, list(self.test_all)
+        return members, list(self.data.test_all)
 
     def mark(self, sample: VQASample) -> MarkRecord | None:
-        return self.marks.get(sample.image_id)
+        return self.data.marks.get(sample.image_id)

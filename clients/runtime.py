@@ -17,15 +17,13 @@ from flwr.app import Context
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training.batches import EncodedSample, encode_samples
+from training.data import RunData
 from training.model import PartyModel, load_party_model, make_optimizer
 from training.selector import build_selector
 from training.store import PrivateStore
 from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
 from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_dict
-from vlm.mini.tokenizer import build_word_tokenizer
-from vlm.profiles import Profile
-from vqa import build_prompt, is_stamped, load_vqa, mark_patches, mark_records, partition_indices
 
 # The store part holding the step counter (the others are named after their owners).
 PROGRESS = "progress"
@@ -125,40 +123,12 @@ def client_runtime(context: Context) -> ClientRuntime:
     return _RUNTIMES[key]
 
 
-def _texts(samples: Iterable) -> list[str]:
-    return [build_prompt(s.question, instruction="") + " " + s.answer for s in samples]
-
-
-def mark_patches_by_image(config: SimConfig, profile: Profile) -> dict[str, tuple[int, ...]]:
-    """The mark patches of every stamped image of the run's splits, at the model's patch grid."""
-    data = config.data
-    if not is_stamped(data.dataset):
-        return {}
-    marks = {}
-    for split in (data.train_split, data.test_split):
-        for image_id, record in mark_records(data.dataset, split, data.source or None).items():
-            marks[image_id] = mark_patches(record, profile.image_size, profile.patch_size)
-    return marks
-
-
 def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:
-    data = config.data
-    source = data.source or None
-    train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None, seed=data.seed)
-    test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed)
-    count = config.clients.count
-    train_shard = partition_indices(train_all, count, method=data.partition, seed=data.seed, alpha=data.alpha)
-    # Test questions are split evenly: each client scores its own share with its own model.
-    test_shard = partition_indices(test_all, count, method="iid", seed=data.seed)
+    data = RunData.build(config)
     party = load_party_model(config)
-    tokenizer = party.bundle.tokenizer or build_word_tokenizer(_texts([*train_all, *test_all]))
-    if party.bundle.tokenizer is None and len(tokenizer) > party.bundle.model.config.text_config.vocab_size:
-        raise ValueError(
-            f"the data's word tokenizer has {len(tokenizer)} tokens, more than profile "
-            f"{config.model.profile!r}'s vocabulary of {party.bundle.model.config.text_config.vocab_size}"
-        )
-    train = encode_samples(train_all.select(train_shard[partition_id]), tokenizer, party.instruction)
-    test = encode_samples(test_all.select(test_shard[partition_id]), tokenizer, party.instruction)
+    tokenizer = data.tokenizer(party.bundle)
+    train = encode_samples(data.train_shard(partition_id), tokenizer, party.instruction)
+    test = encode_samples(data.test_shard(partition_id), tokenizer, party.instruction)
     store = PrivateStore(state_dir)
     features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
     cached = store.path("vision-features.pt")
@@ -177,7 +147,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         train=train,
         test=test,
         features=features,
-        marks=mark_patches_by_image(config, party.bundle.profile),
+        marks=data.mark_patches(party.bundle.profile),
         selector=build_selector(
             config,
             tokenizer=tokenizer,

@@ -29,10 +29,10 @@ from attacks.fsha import FSHA, STATE_FILE
 from attacks.observations import UNPRUNED_POLICIES, VisualSpans
 from attacks.recording import Recorder
 from attacks.context import ATTACK_FOLDER
-from attacks.replay import auxiliary_samples, knowledge_for_run
-from attacks.truth import RunTruth
+from attacks.replay import knowledge_for_run
 from config import SimConfig
 from strategies.callbacks import RunFolder
+from training.data import RunData
 from training.model import PartyModel
 from wire import Wire
 
@@ -53,10 +53,9 @@ class FSHAHijack:
     def __init__(self, config: SimConfig, party: PartyModel, folder: RunFolder, *, pretrain: bool = True) -> None:
         threat = config.threat
         # The clients' data is read only to keep their images out of the attacker's public data.
-        truth = RunTruth(config)
-        aux = auxiliary_samples(config, truth, threat.aux_limit)
+        aux = RunData.build(config).auxiliary(threat.aux_limit)
         # The server's own model is the public one: a hijacking server never trains its adapters.
-        knowledge = knowledge_for_run(config, truth, party)
+        knowledge = knowledge_for_run(config, party)
         options = FSHA.options_from_run(config) | {"progress": False}
         # On resume the checkpoint's state replaces the networks: pre-training them would be thrown away.
         if not pretrain:

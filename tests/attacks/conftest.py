@@ -14,11 +14,11 @@ import torch
 
 from attacks.knowledge import AttackerKnowledge
 from attacks.recording import Recorder, Recording
-from attacks.truth import StaticTruth, run_texts
+from attacks.truth import StaticTruth
 from training.model import RANDOM_IMAGE_ID, RANDOM_PAD_ID, RANDOM_VOCAB_SIZE
 from vlm.loading import build_random_model, clip_image_preprocessor
 from vlm.lora import apply_lora
-from vlm.mini.tokenizer import build_word_tokenizer
+from vlm.mini.tokenizer import build_sample_tokenizer
 from vlm.profiles import TINY
 from vlm.segments import (
     merge_multimodal_inputs,
@@ -53,7 +53,7 @@ def _tiny_model(seed: int = 0) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def knowledge(victims, aux) -> AttackerKnowledge:
-    tokenizer = build_word_tokenizer(run_texts([*victims, *aux]))
+    tokenizer = build_sample_tokenizer([*victims, *aux])
     return AttackerKnowledge(
         model=_tiny_model(), tokenizer=tokenizer, preprocess_images=clip_image_preprocessor(TINY.image_size),
         cuts=USL_CUTS, instruction="",

@@ -55,7 +55,7 @@ def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(tmp_path, 
     folder = tiny_run(tmp_path, monkeypatch, **{"train.rounds": 1, "pruning.policy": "fixed", "pruning.ratio": 0.5})
     recording = Recording.open(folder)
     truth = RunTruth.from_run_folder(folder)
-    knowledge = knowledge_for_run(truth.config, truth)
+    knowledge = knowledge_for_run(truth.config)
     features = VisionFeatureCache(knowledge.model, knowledge.preprocess_images)
     prefix = knowledge.prefix_ids.numel()
     # A client's first step runs its untrained head: the public model's, so the truth's keep

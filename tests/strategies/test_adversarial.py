@@ -13,13 +13,13 @@ from attacks import Recording
 from attacks.fsha import FSHA, STATE_FILE
 from attacks.knowledge import split_packed, visual_rows
 from attacks.context import ATTACK_FOLDER
-from attacks.replay import auxiliary_samples, knowledge_for_run, replay
-from attacks.truth import RunTruth
+from attacks.replay import knowledge_for_run, replay
 from clients.app import app as client_app
 from config import ConfigError, load_config
 from strategies import app as server_app
 from strategies.app import run
 from training import protocol
+from training.data import RunData
 from training.model import load_party_model
 from training.store import PrivateStore
 from vlm.cuts import split_layers
@@ -192,15 +192,15 @@ def test_a_hijacked_client_moves_its_features_to_the_pilots_and_the_replay_decod
     })
     folder = run(fake_grid(client_app, raw, 1), load_config(raw)).path
     config = load_config(raw)
-    truth = RunTruth(config)
-    knowledge = knowledge_for_run(config, truth)
+    data = RunData.build(config)
+    knowledge = knowledge_for_run(config)
     server = FSHA(knowledge, pretrain_steps=0, decoder_width=32, progress=False)
-    server.fit(auxiliary_samples(config, truth, 8)).load_state(folder / ATTACK_FOLDER / STATE_FILE)
+    server.fit(data.auxiliary(8)).load_state(folder / ATTACK_FOLDER / STATE_FILE)
     client = copy.deepcopy(knowledge.model)
     head = next(s for s in split_layers(knowledge.num_layers, config.cuts) if s.owner == "head")
     load_owner_state_dict(client, head, PrivateStore(folder / "clients" / "partition-0").load()["head"]["lora"])
 
-    features = knowledge.features(knowledge.pixel_values(truth.train_all))
+    features = knowledge.features(knowledge.pixel_values(data.train_all))
     with torch.no_grad():
         rows = {name: torch.stack(visual_rows(model, features, knowledge.prefix_ids, knowledge.first_cut))
                 for name, model in (("pilot", server.pilot), ("hijacked", client), ("before", knowledge.model))}
