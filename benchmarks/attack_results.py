@@ -1,6 +1,7 @@
 """What each attack recovers from what crossed the cuts, per paradigm and pruning policy (issue 5, "Results").
 
     python benchmarks/attack_results.py [--paradigms usl sl] [--policies off fixed-0.5 dtp] [--work DIR]
+    python benchmarks/attack_results.py --report
 
 For each paradigm (USL, SL) and pruning policy (off, fixed ρ = 0.3/0.5/0.7/0.9, DTP) the
 mini model is fine-tuned on the stamped benchmark (`easyvqa-stamped`, a handwritten digit
@@ -18,7 +19,8 @@ SSIM and FSIM against the mean public image, and on stamped images whether a dig
 classifier reads the mark back from the reconstruction (vs chance and vs the original
 images). Runs and results live under --work, one folder per run; a run resumes and an
 attack whose result is there is not run again, so an interrupted sweep picks up where it
-stopped. Writes results/attack_results.json and .png and prints a summary table.
+stopped. Writes results/attack_results.json and .png, and results/attack_results.md from the
+JSON (printed too); --report only re-renders the markdown.
 
 Fixed ratios and DTP rank patches with the same trained module (α = β = 1), so they differ
 only in how many tokens they keep: the DTP artefacts of the pruning benchmark
@@ -50,7 +52,20 @@ from config import load_config
 from vlm.mini import MiniRecipe
 from vlm.mini.build import cache_root
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from report import (
+    REPORT_HELP,
+    RESULTS,
+    markdown_table,
+    percent,
+    provenance,
+    read_json,
+    span,
+    write_json,
+    write_markdown,
+)
+
+NAME = "attack_results"
+COMMAND = "python benchmarks/attack_results.py"
 DATASET = "easyvqa-stamped"
 PASSIVE_ATTACKS = ("fora", "actinv", "sara", "mia")
 # Fitted on public data only, so one fit serves every policy's run of a paradigm.
@@ -248,25 +263,122 @@ def cell(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def summary_table(results: dict[str, Any]) -> str:
-    header = (f"{'paradigm':8} {'policy':10} {'kept':>6} {'acc':>5} | {'FSHA dB':>7} {'FORA dB':>7} {'SARA dB':>7} "
-              f"{'mean dB':>7} | {'mark FSHA':>9} {'FORA':>5} {'SARA':>5} {'chance':>6} | {'SARA pos':>8} "
-              f"{'ActInv R':>8} {'ROUGE-L':>7} | {'MIA succ':>8} {'AUC':>5}")
-    lines = [header, "-" * len(header)]
-    for paradigm, rows in results["paradigms"].items():
-        for key, row in rows.items():
+def render_report(results: dict[str, Any], folder: Path = RESULTS, name: str = NAME) -> Path:
+    """<folder>/<name>.md from the results in <name>.json beside it (another --out than results/ names another)."""
+    body = "\n\n".join(
+        [table_section(results), findings_section(results),
+         f"![PSNR vs kept tokens per attack, and what else the attacker recovers]({name}.png)"]
+    )
+    return write_markdown(
+        name, "What the attacks recover, per paradigm and pruning policy", body, results.get("provenance"),
+        command=COMMAND, folder=folder,
+    )
+
+
+def pruned(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in rows.values() if row["policy"]["policy"] != "off"]
+
+
+def table_section(results: dict[str, Any]) -> str:
+    budget = results["setup"]["budget"]
+    rows, baselines = [], []
+    for paradigm, policies in results["paradigms"].items():
+        for key, row in policies.items():
             a = row["attacks"]
+            rows.append([
+                paradigm.upper(), key, cell(row["run"]["kept_tokens_mean"], ".3g"),
+                percent(row["run"]["test_accuracy"]),
+                cell(a["fsha"].get("psnr"), ".1f"),
+                cell(a["fora"].get("psnr"), ".1f"),
+                cell(a["sara"].get("psnr"), ".1f"),
+                f"{cell(a['fsha'].get('mark_readback'), '.2f')} / {cell(a['fora'].get('mark_readback'), '.2f')}",
+                cell(a["sara"].get("position_accuracy"), ".3f"),
+                cell(a["actinv"].get("token_recall"), ".2f"),
+                f"{cell(a['mia'].get('attack_success'), '.2f')} / {cell(a['mia'].get('auc'), '.2f')}",
+            ])
+        first = next(iter(policies.values()))["attacks"]["fora"]
+        baselines.append(
+            f"- {paradigm.upper()}: mean public image {cell(first.get('baseline_psnr'), '.1f')} dB; mark read-back "
+            f"chance (most common digit) {cell(first.get('mark_readback_chance'), '.2f')}, from the original images "
+            f"{cell(first.get('mark_readback_originals'), '.2f')}."
+        )
+    table = markdown_table(
+        ["paradigm", "policy", "kept tokens", "test acc.", "FSHA dB", "FORA dB", "SARA dB", "mark FSHA / FORA",
+         "SARA position acc.", "ActInv recall", "MIA success / AUC"],
+        rows,
+    )
+    setup = (
+        f"The {results['setup']['profile']} base fine-tuned on `{results['setup']['dataset']}`: 2 clients × "
+        f"{budget['train_limit'] // 2} training rows, {budget['rounds']} rounds × {budget['steps_per_round']} "
+        f"steps of {budget['batch_size']}, lr {budget['lr']:g}; each policy run once under a passive server (FORA, SARA, "
+        f"ActInv, MIA) and once under an FSHA server. Reconstructions are scored on the {budget['recorded_samples']} "
+        f"recorded samples; test accuracy is on {budget['test_limit']} questions; \"mark\" is a digit classifier "
+        "reading the stamp back from the reconstruction."
+    )
+    return "\n".join(["## Per paradigm and policy", "", setup, "", table, "", *baselines])
+
+
+def findings_section(results: dict[str, Any]) -> str:
+    lines = ["## The paper's claims, checked", ""]
+    for paradigm, rows in results["paradigms"].items():
+        name = paradigm.upper()
+        off = rows.get("off")
+        if off:
+            a = off["attacks"]
             lines.append(
-                f"{paradigm:8} {key:10} {cell(row['run']['kept_tokens_mean'], '6.1f')} "
-                f"{cell(row['run']['test_accuracy'], '5.3f')} | "
-                f"{cell(a['fsha'].get('psnr'), '7.2f')} {cell(a['fora'].get('psnr'), '7.2f')} "
-                f"{cell(a['sara'].get('psnr'), '7.2f')} {cell(a['fora'].get('baseline_psnr'), '7.2f')} | "
-                f"{cell(a['fsha'].get('mark_readback'), '9.2f')} {cell(a['fora'].get('mark_readback'), '5.2f')} "
-                f"{cell(a['sara'].get('mark_readback'), '5.2f')} {cell(a['fora'].get('mark_readback_chance'), '6.2f')} | "
-                f"{cell(a['sara'].get('position_accuracy'), '8.3f')} {cell(a['actinv'].get('token_recall'), '8.3f')} "
-                f"{cell(a['actinv'].get('rouge_l'), '7.3f')} | {cell(a['mia'].get('attack_success'), '8.3f')} "
-                f"{cell(a['mia'].get('auc'), '5.3f')}"
+                f"- {name}, no pruning: FORA {cell(a['fora'].get('psnr'), '.1f')} dB and FSHA "
+                f"{cell(a['fsha'].get('psnr'), '.1f')} dB against {cell(a['fora'].get('baseline_psnr'), '.1f')} dB for "
+                f"the mean public image; the mark is read back {cell(a['fora'].get('mark_readback'), '.2f')} (FORA) / "
+                f"{cell(a['fsha'].get('mark_readback'), '.2f')} (FSHA), chance "
+                f"{cell(a['fora'].get('mark_readback_chance'), '.2f')}."
             )
+        cut = pruned(rows)
+        if cut:
+            lines.append(
+                f"- {name}, pruned (every fixed ratio and DTP): "
+                f"FORA {span(r['attacks']['fora'].get('psnr') for r in cut)} dB, "
+                f"FSHA {span(r['attacks']['fsha'].get('psnr') for r in cut)} dB, mark read-back "
+                f"{span((r['attacks']['fora'].get('mark_readback') for r in cut), '.2f')} (FORA) / "
+                f"{span((r['attacks']['fsha'].get('mark_readback') for r in cut), '.2f')} (FSHA)."
+            )
+        for attack in ("fsha", "fora"):
+            claim = results["claims"][paradigm].get(attack)
+            if claim is None:
+                continue
+            where = "" if claim["within_fixed_range"] else " (outside the fixed ratios' tokens: the nearest one's)"
+            lines.append(
+                f"- {name} {attack.upper()}: DTP {claim['dtp_psnr']:.1f} dB at {claim['dtp_kept_tokens']:.1f} tokens, "
+                f"the fixed-ratio trend {claim['fixed_trend_psnr']:.1f} dB there{where}: "
+                f"DTP is {'below' if claim['dtp_below_trend'] else 'not below'} the trend "
+                f"({claim['gap_db']:+.2f} dB; the fixed ratios span {claim['fixed_spread_db']:.2f} dB)."
+            )
+        sara = [r["attacks"]["sara"] for r in cut]
+        if sara:
+            lines.append(
+                f"- {name} SARA under pruning: token positions placed correctly "
+                f"{span((s.get('position_accuracy') for s in sara), '.1f', 100)}% (chance "
+                f"{span((s.get('chance_position_accuracy') for s in sara), '.1f', 100)}%; spreading the in-order rows "
+                f"evenly {span((s.get('spread_position_accuracy') for s in sara), '.1f', 100)}%), reconstructions "
+                f"{span(s.get('psnr') for s in sara)} dB."
+            )
+        lines.append(
+            f"- {name} ActInv token recall at the first cut: "
+            f"{span((r['attacks']['actinv'].get('token_recall') for r in rows.values()), '.2f')}"
+            + (f" (no pruning {cell(off['attacks']['actinv'].get('token_recall'), '.2f')})." if off else ".")
+        )
+        mia = [r["attacks"]["mia"] for r in rows.values()]
+        paper = results["claims"][paradigm].get("mia_success", {}).get("paper", PAPER_MIA)
+        lines.append(
+            f"- {name} MIA: success {span((m.get('attack_success') for m in mia), '.2f')}, AUC "
+            f"{span((m.get('auc') for m in mia), '.2f')} in every cell (paper: {paper['undefended']} undefended, "
+            f"{paper['qpriv_vl'][0]}–{paper['qpriv_vl'][1]} with QPriv-VL); attribute inference "
+            f"{span((m.get('attribute_accuracy') for m in mia), '.2f')} against its prior "
+            f"{span((m.get('baseline_attribute_accuracy') for m in mia), '.2f')}."
+        )
+        lines.append(
+            f"- {name} utility: test accuracy {span((r['run']['test_accuracy'] for r in rows.values()), '.1f', 100)}% "
+            "over the policies."
+        )
     return "\n".join(lines)
 
 
@@ -335,10 +447,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="runs and attack results (default: the cache)")
     parser.add_argument("--artefacts", type=Path, default=None, help="prepared DTP artefacts (default: the cache)")
     parser.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (the machine is shared)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "attack_results.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
+    parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     for name, default in asdict(Budget()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args()
+    if args.report:
+        print(f"wrote {render_report(read_json(args.out.stem, args.out.parent), args.out.parent, args.out.stem)}")
+        return
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     fingerprint = MiniRecipe().fingerprint()
     args.work = args.work or cache_root() / "attack-results" / f"{args.profile}-{fingerprint}"
@@ -349,17 +465,19 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         policies = [POLICIES[key] for key in args.policies]
-        results: dict[str, Any] = {"setup": {"budget": asdict(budget), "profile": args.profile, "dataset": DATASET,
-                                             "mini_recipe": fingerprint, "work": str(args.work)},
-                                   "paradigms": {}}
+        results: dict[str, Any] = {
+            "provenance": provenance(),
+            "setup": {"budget": asdict(budget), "profile": args.profile, "dataset": DATASET,
+                      "mini_recipe": fingerprint, "work": str(args.work)},
+            "paradigms": {},
+        }
         for paradigm in args.paradigms:
             results["paradigms"][paradigm] = sweep_paradigm(paradigm, policies, budget, args)
     results["claims"] = claims(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.out.stem, results, args.out.parent)
     plot(results, args.out.with_suffix(".png"))
-    print(summary_table(results))
-    print(json.dumps(results["claims"], indent=2))
+    # Rendered from the file, so the markdown is exactly what --report makes of it.
+    print(render_report(read_json(args.out.stem, args.out.parent), args.out.parent, args.out.stem).read_text())
 
 
 if __name__ == "__main__":

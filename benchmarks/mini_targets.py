@@ -1,14 +1,15 @@
 """Measure the mini model against its targets (issue: foundation) and plot the curves.
 
-    python benchmarks/mini_targets.py [--fresh-build] [--probe-samples N] [--curve-samples N]
+    python benchmarks/mini_targets.py [--fresh-build] [--curve-samples N] [--seed S]
+    python benchmarks/mini_targets.py --report
 
 --fresh-build builds the model from nothing in a temporary cache and reports the
 seconds per stage; otherwise the cached build is used (built first if missing).
-Writes results/mini_targets.json and results/mini_targets.png.
+Writes results/mini_targets.json and .png, and results/mini_targets.md from the JSON;
+--report only re-renders the markdown.
 """
 
 import argparse
-import json
 import random
 import tempfile
 from collections import Counter, defaultdict
@@ -30,8 +31,24 @@ from vlm.mini.stages import own_wording_yes_no
 from vlm.segments import llava_parts
 from vqa import aggregate_accuracy, load_vqa
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from report import (
+    REPORT_HELP,
+    RESULTS,
+    markdown_table,
+    percent,
+    provenance,
+    read_json,
+    span,
+    write_json,
+    write_markdown,
+)
+
+NAME = "mini_targets"
+COMMAND = "python benchmarks/mini_targets.py"
 KEEP_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# The foundation issue's targets for the finished model: overall, colour and shape at
+# least this, and yes/no above what the question alone predicts.
+TARGET_ACCURACY = 0.9
 
 
 def accuracy_table(predictions, samples) -> dict:
@@ -104,8 +121,13 @@ def main() -> None:
     parser.add_argument("--fresh-build", action="store_true", help="build from nothing and time each stage")
     parser.add_argument("--curve-samples", type=int, default=3000, help="test questions per keep-curve point")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     args = parser.parse_args()
+    if args.report:
+        print(f"wrote {render_report(read_json(NAME))}")
+        return
     recipe = MiniRecipe()
+    stamp = provenance()
     root = Path(tempfile.mkdtemp(prefix="qpriv-mini-")) if args.fresh_build else None
     folder = MiniFolder(recipe, root)
     if args.fresh_build or not folder.lora.is_file():
@@ -113,7 +135,7 @@ def main() -> None:
     build_report = folder.read_report()
 
     train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
-    results: dict = {"build": build_report, "test_questions": len(test)}
+    results: dict = {"provenance": stamp, "build": build_report, "test_questions": len(test)}
     results["question_only_prior"] = question_only_prior(train, test)
     for stage in ("base", "vqa"):
         bundle = load_mini(stage=stage, recipe=recipe, root=root)
@@ -140,16 +162,129 @@ def main() -> None:
         results[stage]["no_visual_tokens"] = run(test, lambda s, t: t[:0])
         results[stage]["swapped_image"] = run(test, lambda s, t: features[other_image[s.image_id]])
         subset = test.select(random.Random(args.seed).sample(range(len(test)), min(args.curve_samples, len(test))))
+        results[stage]["curve_questions"] = len(subset)
         results[stage]["random_keep_curve"] = {
             fraction: run(subset, random_keep(fraction, args.seed)) for fraction in KEEP_FRACTIONS
         }
         results["one_token_probe"] = one_token_probe(bundle.model, bundle.preprocess_images, train, test, args.seed)
         results["vision_feature_layer"] = llava_parts(bundle.model).config.vision_feature_layer
 
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "mini_targets.json").write_text(json.dumps(results, indent=2))
+    path = write_json(NAME, results)
     plot(results, RESULTS / "mini_targets.png")
-    print(json.dumps({k: v for k, v in results.items() if k != "build"} | {"build": build_report["stages"]}, indent=2))
+    # Rendered from the file, so the markdown is exactly what --report makes of it.
+    print(render_report(read_json(NAME)).read_text())
+    print(f"wrote {path}, .png and .md")
+
+
+def render_report(results: dict, folder: Path = RESULTS) -> Path:
+    body = "\n\n".join(
+        [accuracy_section(results), build_section(results["build"]), keep_curve_section(results),
+         probe_section(results["one_token_probe"], results["vision_feature_layer"]),
+         "![the base's yes/no check by step, accuracy vs random visual-token keep, and a one-token probe by vision "
+         "layer](mini_targets.png)"]
+    )
+    return write_markdown(
+        NAME, "The mini model against its targets", body, results.get("provenance"), command=COMMAND, folder=folder
+    )
+
+
+def accuracy_section(results: dict) -> str:
+    kinds = ("overall", "color", "shape", "yes/no")
+    prior, base, vqa = results["question_only_prior"], results["base"], results["vqa"]
+    own = base["own_yes_no_templates"]
+
+    def row(label: str, table: dict) -> list:
+        return [label, *(percent(table[kind]) for kind in kinds)]
+
+    finished = [f"**{cell}**" for cell in row("finished mini model", vqa["full"])]
+    table = markdown_table(
+        ["", "overall", "colour", "shape", "yes/no"],
+        [
+            row("question-only prior (most common training answer per question)", prior),
+            row("base stage (before LoRA), easy-VQA's wording", base["full"]),
+            ["base stage on its own yes/no wordings", percent(own["overall"]), "—", "—",
+             f"colour {percent(own['base color yes/no'])}, shape {percent(own['base shape yes/no'])}"],
+            finished,
+            row("… with no visual tokens", vqa["no_visual_tokens"]),
+            row("… with another image's visual tokens", vqa["swapped_image"]),
+        ],
+    )
+    full = vqa["full"]
+
+    def verdict(holds: bool) -> str:
+        return "holds" if holds else "**missed**"
+
+    targets = [
+        f"- overall ≥ {percent(TARGET_ACCURACY, 0)}: {verdict(full['overall'] >= TARGET_ACCURACY)} "
+        f"({percent(full['overall'])})",
+        *(
+            f"- {label} ≥ {percent(TARGET_ACCURACY, 0)}: {verdict(full[kind] >= TARGET_ACCURACY)} "
+            f"({percent(full[kind])})"
+            for kind, label in (("color", "colour"), ("shape", "shape"))
+        ),
+        f"- yes/no above the question-only prior: {verdict(full['yes/no'] > prior['yes/no'])} "
+        f"({percent(full['yes/no'])} against {percent(prior['yes/no'])})",
+        f"- the image matters: removing its visual tokens costs "
+        f"{100 * (full['overall'] - vqa['no_visual_tokens']['overall']):.1f} points overall, "
+        f"another image's tokens {100 * (full['overall'] - vqa['swapped_image']['overall']):.1f}",
+    ]
+    return "\n".join(
+        [f"## Accuracy on the full easy-VQA test split ({results['test_questions']:,} questions)", "", table, "",
+         "Targets:", "", *targets]
+    )
+
+
+def build_section(build: dict) -> str:
+    stages = build["stages"]
+    table = markdown_table(
+        ["stage", "seconds", "final loss"],
+        [[name, f"{stage['seconds']:.0f}", f"{stage['final_loss']:.3g}" if "final_loss" in stage else "—"]
+         for name, stage in stages.items()],
+    )
+    threshold = build["recipe"]["base_check_accuracy"]
+    attempts = [
+        f"- seed {attempt['seed']}: "
+        + (f"passed the {percent(threshold, 0)} check at few-token step {attempt['learned_at_step']}"
+           if attempt.get("learned_at_step") is not None else f"never passed the {percent(threshold, 0)} check")
+        + f", {attempt['few_token_steps']:,} few-token steps; checks "
+        + ", ".join(f"{step}: {percent(accuracy, 0)}" for step, accuracy in attempt["yes_no_checks"].items())
+        for attempt in stages["base"]["attempts"]
+    ]
+    return "\n".join(
+        [f"## The build: {build['total_seconds']:.0f} s ({build['total_seconds'] / 60:.1f} minutes)", "", table, "",
+         "The base stage's own-wording yes/no on held-out training images, per try:", "", *attempts]
+    )
+
+
+def keep_curve_section(results: dict) -> str:
+    curve = results["vqa"]["random_keep_curve"]
+    kinds = ("overall", "color", "shape", "yes/no")
+    table = markdown_table(
+        ["visual tokens kept at random", "overall", "colour", "shape", "yes/no"],
+        [[percent(float(fraction), 0), *(percent(point[kind]) for kind in kinds)] for fraction, point in curve.items()],
+    )
+    sample = f" ({results['vqa']['curve_questions']:,} test questions)" if "curve_questions" in results["vqa"] else ""
+    return "\n".join(
+        [f"## Accuracy when a random share of the visual tokens is kept{sample}", "",
+         f"Overall {span((point['overall'] for point in curve.values()), '.1f', 100)}% from "
+         f"{percent(float(min(curve, key=float)), 0)} to {percent(float(max(curve, key=float)), 0)} kept.", "", table]
+    )
+
+
+def probe_section(probe: dict, feature_layer: int) -> str:
+    layers = probe["by_layer"]
+    chance = probe["chance"]
+    table = markdown_table(
+        ["vision layer (0 = embeddings)", "shape", "colour"],
+        [[layer, percent(scores["shape"]), percent(scores["color"])] for layer, scores in layers.items()],
+    )
+    return "\n".join(
+        ["## What one random visual token carries", "",
+         "A logistic-regression probe reads shape and colour from a single random patch token of each test "
+         f"image, per vision layer (chance: shape {percent(chance['shape'])}, colour {percent(chance['color'])}); "
+         f"LLaVA reads the features of layer {feature_layer}.",
+         "", table]
+    )
 
 
 def plot(results: dict, path: Path) -> None:

@@ -1,6 +1,7 @@
 """What each pruning policy costs and buys on the mini model (issue 4, "Results, by a script").
 
     python benchmarks/pruning_tradeoffs.py [--questions N] [--seed S] [--threads T] [--cache DIR]
+    python benchmarks/pruning_tradeoffs.py --report
 
 The finished mini model (VQA stage) answers a seeded subset of the stamped benchmark's
 test split (`easyvqa-stamped`) with each policy applied at inference only: the model
@@ -23,7 +24,8 @@ Per policy:
 Also DTP's forward cost as a share of the vision tower's (FLOPs at mini and llava-1.5-7b
 size, wall time at mini), and the paper's two claims checked. The DTP artefacts are
 prepared into the cache folder on first use (`prepare_dtp`, about a minute each) and
-reused after. Writes results/pruning_tradeoffs.json and .png; prints a summary table.
+reused after. Writes results/pruning_tradeoffs.json and .png, and results/pruning_tradeoffs.md
+from the JSON (printed too); --report only re-renders the markdown.
 """
 
 import argparse
@@ -90,7 +92,20 @@ from vqa import (
 )
 from wire import Wire, pack_rows, serialized_size
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+from report import (
+    REPORT_HELP,
+    RESULTS,
+    markdown_table,
+    percent,
+    provenance,
+    read_json,
+    span,
+    write_json,
+    write_markdown,
+)
+
+NAME = "pruning_tradeoffs"
+COMMAND = "python benchmarks/pruning_tradeoffs.py"
 DATASET = "easyvqa-stamped"
 PROFILE = "mini"
 PAPER_PROFILE = "llava-1.5-7b"
@@ -569,64 +584,144 @@ def number(value: float | None, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def summary_table(results: dict[str, Any]) -> str:
-    header = (
-        f"{'policy':<26} {'kept (q25–q75)':>15} {'acc':>6} {'excl ref: mean±sd (med)':>23} {'excl own':>23} "
-        f"{'mark rm':>7} {'all rm':>6} {'probe':>6} {'B fp32':>7} {'B bf16':>7}"
-    )
-    lines = [header, "-" * len(header)]
+def points(value: float) -> str:
+    return f"{100 * value:+.1f}"
 
-    def ratio_cell(summaries: dict[str, Any] | None) -> str:
-        if summaries is None:
-            return "—"
-        summary = summaries["all"]
-        return f"{summary['mean']:.1f}±{summary['std']:.1f} ({summary['median']:.1f})"
 
-    for label, row in results["policies"].items():
-        kept = row["kept_tokens"]
-        removal = row["mark_removal"]
-        lines.append(
-            f"{label:<26} {kept['mean']:>5.1f} ({kept['q25']:>2.0f}–{kept['q75']:>2.0f}) "
-            f"{100 * row['accuracy']['overall']:>5.1f}% {ratio_cell(row['exclusion_ratio_reference']):>23} "
-            f"{ratio_cell(row['exclusion_ratio_own']):>23} {100 * removal['mark_patches_removed_share']:>6.1f}% "
-            f"{100 * removal['patches_removed_share']:>5.1f}% {100 * row['digit_probe_accuracy']:>5.1f}% "
-            f"{row['wire_bytes_per_sample']['fp32']:>7.0f} {row['wire_bytes_per_sample']['bf16']:>7.0f}"
-        )
-    probe = results["digit_probe"]
-    lines.append(
-        f"digit probe: chance (majority) {100 * probe['chance_majority']:.1f}%, no pruning "
-        f"{100 * probe['no_pruning']:.1f}%, ideal pruner (mark patches removed) {100 * probe['ideal_pruner']:.1f}%, "
-        f"mark patches only {100 * probe['mark_patches_only']:.1f}%"
+def render_report(results: dict[str, Any], folder: Path = RESULTS) -> Path:
+    body = "\n\n".join(
+        [policy_section(results), dtp_section(results), exclusion_section(results), probe_section(results),
+         cost_section(results["cost"]), f"![accuracy, mark removal, digit probe and bytes per policy]({NAME}.png)"]
     )
-    for name, cost in (("mini", results["cost"]["flops_mini"]), (PAPER_PROFILE, results["cost"]["flops_paper_size"])):
-        lines.append(
-            f"DTP FLOPs / vision tower FLOPs at {name}: module {100 * cost['module_over_vision']:.2f}%, "
-            f"module + DINOv2 + CLIP text {100 * cost['module_and_encoders_over_vision']:.1f}%"
-        )
-    wall = results["cost"]["wall_time_mini"]
-    lines.append(
-        f"wall time at mini (batch {wall['batch']}, median of {wall['repeats']}): module "
-        f"{100 * wall['module_over_vision']:.1f}%, "
-        f"module + encoders {100 * wall['module_and_encoders_over_vision']:.1f}% "
-        "of the vision tower"
+    return write_markdown(
+        NAME, "What pruning costs and buys on the mini model", body, results.get("provenance"), command=COMMAND,
+        folder=folder,
     )
+
+
+def kept_cell(kept: dict[str, Any]) -> str:
+    if kept["q25"] == kept["q75"]:
+        return f"{kept['mean']:g}"
+    return f"{kept['mean']:.1f} ({kept['q25']:.0f}–{kept['q75']:.0f})"
+
+
+def exclusion_cell(summaries: dict[str, Any] | None) -> str:
+    if summaries is None:
+        return "—"
+    summary = summaries["all"]
+    return f"{number(summary['mean'], '.1f')} ± {number(summary['std'], '.1f')} ({number(summary['median'], '.1f')})"
+
+
+def policy_section(results: dict[str, Any]) -> str:
+    setup = results["setup"]
+    rows = [
+        [
+            label,
+            kept_cell(row["kept_tokens"]),
+            percent(row["accuracy"]["overall"]),
+            f"{percent(row['accuracy']['image/plain'])} / {percent(row['accuracy']['image/stamped'])}",
+            percent(row["mark_removal"]["mark_patches_removed_share"]),
+            percent(row["mark_removal"]["patches_removed_share"]),
+            percent(row["digit_probe_accuracy"]),
+            exclusion_cell(row["exclusion_ratio_reference"]),
+            f"{row['wire_bytes_per_sample']['fp32']:,.0f} / {row['wire_bytes_per_sample']['bf16']:,.0f}",
+        ]
+        for label, row in results["policies"].items()
+    ]
+    table = markdown_table(
+        ["policy", "kept tokens (q25–q75)", "accuracy", "plain / stamped images", "mark patches removed",
+         "all patches removed", "digit probe on kept tokens", "exclusion ratio: mean ± sd (median)",
+         "bytes/sample at CA (fp32 / bf16)"],
+        rows,
+    )
+    return "\n".join([
+        "## Per policy",
+        "",
+        f"{setup['model']}. {setup['questions']:,} questions of the {setup['dataset']} "
+        f"({setup['questions_on_stamped_images']:,} on stamped images), seed {setup['seed']}. Fixed ratios rank "
+        f"patches with {setup['fixed_ranking']}, so they differ from DTP only in how many tokens they keep. "
+        f"Exclusion ratio against {setup['exclusion_reference_map']}; bytes: {setup['wire_payload']}.",
+        "",
+        table,
+    ])
+
+
+def dtp_section(results: dict[str, Any]) -> str:
+    rows = results["policies"]
+    grid = [row for row in rows.values() if on_fixed_grid(row)]
+    lines = [
+        "## DTP against fixed ratios",
+        "",
+        f"- Off and the fixed grid ({span((row['kept_tokens']['mean'] for row in grid), '.0f')} tokens kept): "
+        f"accuracy {span((row['accuracy']['overall'] for row in grid), '.1f', 100)}%.",
+    ]
     for label, claim in results["claims"]["dtp_vs_fixed_at_similar_budget"].items():
-        interval = claim["dtp_minus_matched_fixed"]
+        interval, kept = claim["dtp_minus_matched_fixed"], rows[label]["kept_tokens"]
         lines.append(
-            f"{label} vs fixed ρ={claim['matched_fixed_ratio']:.3f} at its budget "
-            f"({claim['dtp_mean_kept']:.1f} vs {claim['matched_fixed_kept']:.1f} tokens): "
-            f"{100 * interval['difference']:+.1f} pts "
-            f"[{100 * interval['ci95_low']:+.1f}, {100 * interval['ci95_high']:+.1f}] "
-            f"-> {claim['verdict_vs_matched_fixed']}; "
-            f"vs the fixed-grid curve {100 * claim['dtp_minus_fixed_grid_interpolated']:+.1f} pts"
+            f"- {label} keeps {kept['mean']:.1f} tokens ({kept['min']:.0f}–{kept['max']:.0f}, sd {kept['std']:.1f}) "
+            f"at {percent(claim['dtp_accuracy'])}; fixed ρ = {claim['matched_fixed_ratio']:.3f} at that budget "
+            f"({claim['matched_fixed_kept']:g} tokens): {percent(claim['matched_fixed_accuracy'])}. DTP − fixed "
+            f"{points(interval['difference'])} points, paired bootstrap 95% CI [{points(interval['ci95_low'])}, "
+            f"{points(interval['ci95_high'])}]: **{claim['verdict_vs_matched_fixed']}**; against the fixed-grid "
+            f"curve at the same budget {points(claim['dtp_minus_fixed_grid_interpolated'])} points."
         )
-    for label, claim in results["claims"]["exclusion_ratio_above_one"].items():
+    for alpha, artefact in results["setup"]["artefacts"].items():
+        report = artefact["prepare_report"]
+        if report is None:
+            continue
+        histogram = report["oracle_histogram"]["train"]
+        total = sum(histogram.values())
+        shares = ", ".join(f"{ratio}: {count} ({percent(count / total, 0)})" for ratio, count in histogram.items())
+        fit = report["student_fit_to_oracle"]["held_out"]
         lines.append(
-            f"exclusion ratio > 1 for {label}: {number(claim['mean'], '.2f')} ± {number(claim['std'], '.2f')} "
-            f"(median {number(claim['median'], '.2f')}) "
-            f"-> {'holds' if claim['holds'] else 'does not hold'} (paper {PAPER_EXCLUSION[0]} ± {PAPER_EXCLUSION[1]})"
+            f"- The oracle labels (ρ*) DTP α={alpha} learns from, of {total} training samples: {shares}. "
+            f"Its student's held-out ratio error {fit['mae']:.3f} against {fit['constant_mae']:.3f} for always "
+            f"guessing the mean; teacher bag accuracy {percent(report['bag_accuracy']['overall']['accuracy'])}."
         )
     return "\n".join(lines)
+
+
+def exclusion_section(results: dict[str, Any]) -> str:
+    lines = ["## Sensitivity exclusion ratio", ""]
+    for label, claim in results["claims"]["exclusion_ratio_above_one"].items():
+        paper = claim["paper"]
+        lines.append(
+            f"- {label}: {number(claim['mean'], '.1f')} ± {number(claim['std'], '.1f')} "
+            f"(median {number(claim['median'], '.1f')}): > 1 {'holds' if claim['holds'] else 'does not hold'} "
+            f"(paper {paper['mean']} ± {paper['std']})"
+        )
+    return "\n".join(lines)
+
+
+def probe_section(results: dict[str, Any]) -> str:
+    probe = results["digit_probe"]
+    return "\n".join([
+        "## What survives pruning: a probe reading the stamped digit",
+        "",
+        f"A logistic-regression probe on the {probe['features']}, trained on {probe['train_images']:,} stamped "
+        f"training images and tested on {probe['test_images']:,} stamped test images (unseen handwriting): "
+        f"chance (majority digit) {percent(probe['chance_majority'])}, no pruning {percent(probe['no_pruning'])}, "
+        f"an ideal pruner that removes exactly the mark patches {percent(probe['ideal_pruner'])}, the mark's own "
+        f"patches alone {percent(probe['mark_patches_only'])}; per policy in the table.",
+    ])
+
+
+def cost_section(cost: dict[str, Any]) -> str:
+    rows = [
+        [f"FLOPs at {name}", percent(part["module_over_vision"], 2), percent(part["module_and_encoders_over_vision"])]
+        for name, part in (("mini", cost["flops_mini"]), (PAPER_PROFILE, cost["flops_paper_size"]))
+    ]
+    wall = cost["wall_time_mini"]
+    rows.append([
+        f"wall time at mini (batch {wall['batch']}, median of {wall['repeats']})",
+        percent(wall["module_over_vision"]),
+        percent(wall["module_and_encoders_over_vision"]),
+    ])
+    return "\n".join([
+        "## DTP's cost, as a share of the vision tower's",
+        "",
+        markdown_table(["measure", "DTP module", "module + DINOv2 + CLIP text"], rows),
+    ])
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -831,8 +926,13 @@ def main() -> None:
         "--cache", type=Path, default=None,
         help="folder for the DTP artefacts and cached encoder inputs (default: the mini build's cache root)",
     )
+    parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     args = parser.parse_args()
+    if args.report:
+        print(f"wrote {render_report(read_json(NAME))}")
+        return
     torch.set_num_threads(args.threads)
+    stamp = provenance()
     started = time.perf_counter()
     recipe = MiniRecipe()
     # Keyed by the mini build: artefacts prepared against another build would rank for another model.
@@ -840,11 +940,11 @@ def main() -> None:
     with threadpool_limits(args.threads):
         results = run(args, cache)
     results["seconds"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pruning_tradeoffs.json").write_text(json.dumps(finite(results), indent=2, allow_nan=False))
+    path = write_json(NAME, finite({"provenance": stamp} | results))
     plot(results, RESULTS / "pruning_tradeoffs.png")
-    print(summary_table(results))
-    print(f"total {results['seconds']:.0f} s; wrote {RESULTS / 'pruning_tradeoffs.json'} and .png")
+    # Rendered from the file, so the markdown is exactly what --report makes of it.
+    print(render_report(read_json(NAME)).read_text())
+    print(f"total {results['seconds']:.0f} s; wrote {path}, .png and .md")
 
 
 if __name__ == "__main__":
