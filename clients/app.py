@@ -26,6 +26,13 @@ app = ClientApp()
 _SPLIT_CLIENTS = {"sl": SLClient, "usl": USLClient}
 
 
+def _handles(message_type: str) -> Callable:
+    """The ClientApp decorator registering a handler for a protocol message type ("train.cl",
+    or a bare "train" for Flower's default action)."""
+    category, _, action = message_type.partition(".")
+    return getattr(app, category)(*([action] if action else []))
+
+
 def _reply(message: Message, wire: Wire, result: dict) -> Message:
     content = RecordDict(
         {protocol.TENSORS: wire.encode(result["tensors"]), protocol.METRICS: MetricRecord(result["metrics"])}
@@ -37,10 +44,12 @@ def _config(message: Message) -> ConfigRecord:
     return message.content.config_records[protocol.CONFIG]
 
 
-def _rows(message: Message, wire: Wire, rt: ClientRuntime, name: str) -> torch.Tensor:
+def _received(message: Message, wire: Wire, rt: ClientRuntime) -> dict[str, torch.Tensor]:
+    """The tensors the protocol says this message carries (protocol.CARRIES), checked by the wire."""
+    kind = protocol.CARRIES[message.metadata.message_type]
     hidden = rt.model.get_base_model().config.text_config.hidden_size
     record = message.content.array_records[protocol.TENSORS]
-    return wire.decode(record, {name: ((None, hidden), "float")}, what=f"{message.metadata.message_type}")[name]
+    return wire.decode(record, kind.expectation(hidden=hidden), what=kind.name)
 
 
 def _split_handler(body: Callable[[SplitClient, Message, Wire], dict]) -> Callable[[Message, Context], Message]:
@@ -61,12 +70,12 @@ def _begin(client: SplitClient, message: Message, wire: Wire) -> dict:
 
 def _front_backward(client: SplitClient, message: Message, wire: Wire) -> dict:
     config = _config(message)
-    grad = _rows(message, wire, client.rt, "grad")
+    grad = _received(message, wire, client.rt)[protocol.GRAD]
     return client.front_backward(int(config["round"]), grad, bool(config["go-on"]))
 
 
 def _usl_tail(client: USLClient, message: Message, wire: Wire) -> dict:
-    return client.tail_step(int(_config(message)["round"]), _rows(message, wire, client.rt, "rows"))
+    return client.tail_step(int(_config(message)["round"]), _received(message, wire, client.rt)[protocol.ROWS])
 
 
 def _eval_begin(client: SplitClient, message: Message, wire: Wire) -> dict:
@@ -76,13 +85,11 @@ def _eval_begin(client: SplitClient, message: Message, wire: Wire) -> dict:
 
 
 def _usl_eval_tail(client: USLClient, message: Message, wire: Wire) -> dict:
-    return client.eval_tail(_rows(message, wire, client.rt, "rows"))
+    return client.eval_tail(_received(message, wire, client.rt)[protocol.ROWS])
 
 
 def _sl_eval_next(client: SLClient, message: Message, wire: Wire) -> dict:
-    record = message.content.array_records[protocol.TENSORS]
-    tokens = wire.decode(record, {"tokens": ((None,), "index")}, what=message.metadata.message_type)["tokens"]
-    return client.eval_advance(tokens.tolist())
+    return client.eval_advance(_received(message, wire, client.rt)[protocol.TOKENS].tolist())
 
 
 for _name, _body in (
@@ -94,23 +101,29 @@ for _name, _body in (
     (protocol.USL_EVAL_TAIL, _usl_eval_tail),
     (protocol.SL_EVAL_NEXT, _sl_eval_next),
 ):
-    _kind, _action = _name.split(".")
-    getattr(app, _kind)(_action)(_split_handler(_body))
+    _handles(_name)(_split_handler(_body))
 
 
-@app.train("cl")
+@_handles(protocol.PARTITION_QUERY)
+def partition_query(message: Message, context: Context) -> Message:
+    """The partition this node holds (its node_config), so the server orders clients by partition."""
+    partition = int(context.node_config.get(protocol.PARTITION_ID, 0))
+    metrics = MetricRecord({protocol.PARTITION_ID: partition})
+    return Message(content=RecordDict({protocol.METRICS: metrics}), reply_to=message)
+
+
+@_handles(protocol.CL_TRAIN)
 def cl_train(message: Message, context: Context) -> Message:
     """CL: the one trainer runs a round's steps on all data; adapters and AdamW stay private."""
     rt = client_runtime(context)
     config = _config(message)
-    rt.store.begin_round(int(config["committed-round"]))
-    rt.sync_private_state()
+    rt.begin_turn(int(config["committed-round"]))
     metrics = train_steps(rt, rt.optimizers["all"], rt.config.train.steps_per_round, rt.config.train.grad_accum)
     rt.save_private_state(int(config["round"]))
     return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": metrics})
 
 
-@app.evaluate("local")
+@_handles(protocol.LOCAL_EVALUATE)
 def local_evaluate(message: Message, context: Context) -> Message:
     rt = client_runtime(context)
     rt.sync_private_state()
@@ -120,14 +133,15 @@ def local_evaluate(message: Message, context: Context) -> Message:
 def _load_global(message: Message, rt: ClientRuntime, wire: Wire) -> None:
     """FL: the server's adapters, checked against this model's own adapter set."""
     segment = rt.owned["all"]
-    own = owner_state_dict(rt.model, segment)
-    expected = {key: (tuple(value.shape), "float") for key, value in own.items()}
-    arrays = wire.decode(message.content.array_records[protocol.ARRAYS], expected, what="global adapters")
+    own = owner_state_dict(rt.model, segment, rt.adapter)
+    kind = protocol.CARRIES[message.metadata.message_type]
+    expected = kind.expectation(adapter_shapes={key: value.shape for key, value in own.items()})
+    arrays = wire.decode(message.content.array_records[protocol.ARRAYS], expected, what=kind.name)
     dtype = next(iter(own.values())).dtype
-    load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()})
+    load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()}, rt.adapter)
 
 
-@app.train()
+@_handles(protocol.FL_TRAIN)
 def fl_train(message: Message, context: Context) -> Message:
     """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
     rt = client_runtime(context)
@@ -139,14 +153,14 @@ def fl_train(message: Message, context: Context) -> Message:
     metrics = train_steps(rt, optimizer, rt.config.train.steps_per_round, 1)
     content = RecordDict(
         {
-            protocol.ARRAYS: wire.encode(owner_state_dict(rt.model, rt.owned["all"])),
+            protocol.ARRAYS: wire.encode(owner_state_dict(rt.model, rt.owned["all"], rt.adapter)),
             protocol.METRICS: MetricRecord(metrics),
         }
     )
     return Message(content=content, reply_to=message)
 
 
-@app.evaluate()
+@_handles(protocol.FL_EVALUATE)
 def fl_evaluate(message: Message, context: Context) -> Message:
     rt = client_runtime(context)
     wire = Wire(rt.config.wire.dtype)

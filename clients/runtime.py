@@ -1,13 +1,23 @@
 """Everything a client needs for a message: config, model, its data shard, its private state.
 
 Building it (model, tokenizer, shard, vision features) is the same in every process,
-so a warm process keeps it (`client_runtime`); what a client *learns* — its adapters,
-optimiser state and step counter — lives only in its PrivateStore on disk and is
-reloaded whenever the disk holds a newer snapshot than the process.
+so a warm process keeps it (`client_runtime`), parses the run config once, and holds
+one frozen base for all the virtual clients it serves: each client has its own named
+adapter set on it (vlm.lora) and its own AdamW, activated before every message.
+
+What a client *learns* — adapters, optimiser state, step counter — is snapshotted
+into its PrivateStore once per turn, at the turn's last message; in between, a warm
+process holds it in memory (with the front's autograd graph, clients.split). A
+process that serves only one message — deployment's `flwr-clientapp`, which pulls one
+message, replies and exits — snapshots after every message instead, and a process
+without the newest snapshot in memory reloads it from disk.
 """
 
+import hashlib
+import json
+import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +28,30 @@ from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
-from training.model import PartyModel, load_party_model, make_optimizer
+from training.model import CLIENT, PARTY_OWNERS, PartyModel, load_party_model, make_optimizer
 from training.selector import build_selector
 from training.store import PrivateStore
 from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
-from vlm.lora import load_owner_state_dict, owner_lora_parameters, owner_state_dict
+from vlm.lora import DEFAULT_ADAPTER, add_adapter, load_owner_state_dict, owner_lora_parameters, owner_state_dict
+from vlm.segments import DecoderInputs
 
 # The store part holding the step counter (the others are named after their owners).
 PROGRESS = "progress"
-# The segments a client trains and keeps, per paradigm (vlm.cuts owner names).
-CLIENT_OWNERS = {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")}
+# Deployment's per-message process: `flwr-clientapp` runs one message and exits (flwr's
+# supernode runtime.run_clientapp), so its memory never reaches the next message.
+ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
+
+
+@dataclass
+class KeptFront:
+    """A training step's front, from its forward message to its backward one: the packed
+    activation at the first cut still in its autograd graph, and the decoder inputs
+    (labels included) that USL's tail step reuses."""
+
+    step: int
+    inputs: DecoderInputs
+    rows: torch.Tensor
 
 
 @dataclass
@@ -45,30 +68,41 @@ class ClientRuntime:
     marks: dict[str, tuple[int, ...]]
     store: PrivateStore
     owned: dict[str, LayerSegment]
-    # The seeded adapters every party starts from (not learned, so not private state).
-    initial_lora: dict[str, dict[str, torch.Tensor]]
+    # This client's adapter set on the shared base; the base's "default" set keeps the
+    # seeded start every party begins from and is never trained.
+    adapter: str
     optimizers: dict[str, torch.optim.AdamW] = field(default_factory=dict)
     step: int = 0
+    # The snapshot memory holds (None: the run's start), once `synced`.
     loaded_version: tuple[int, str] | None = None
+    synced: bool = False
+    # The round whose progress is in memory only (None: memory equals the newest snapshot).
+    unsaved_round: int | None = None
+    kept_front: KeptFront | None = None
 
     @property
     def model(self):
         return self.party.model
 
+    def activate(self) -> None:
+        """Make this client's adapters the ones the shared base computes with."""
+        self.model.set_adapter(self.adapter)
+
     def parameters(self, owner: str) -> list[torch.nn.Parameter]:
-        return list(owner_lora_parameters(self.model, self.owned[owner]).values())
+        return list(owner_lora_parameters(self.model, self.owned[owner], self.adapter).values())
 
     def reset_private_state(self) -> None:
         """The run's starting point: seeded LoRA, fresh AdamW, step 0."""
-        for owner, segment in self.owned.items():
-            load_owner_state_dict(self.model, segment, self.initial_lora[owner])
+        for segment in self.owned.values():
+            initial = owner_state_dict(self.model, segment, DEFAULT_ADAPTER)
+            load_owner_state_dict(self.model, segment, initial, self.adapter)
         self.optimizers = {owner: make_optimizer(self.parameters(owner), self.config) for owner in self.owned}
         self.step = 0
 
     def sync_private_state(self) -> None:
         """Load the newest snapshot if this process does not hold it already."""
         version = self.store.version()
-        if version is not None and version == self.loaded_version:
+        if self.synced and version == self.loaded_version:
             return
         parts = self.store.load()
         if parts is None:
@@ -76,10 +110,34 @@ class ClientRuntime:
         else:
             self.optimizers = {owner: make_optimizer(self.parameters(owner), self.config) for owner in self.owned}
             for owner, segment in self.owned.items():
-                load_owner_state_dict(self.model, segment, parts[owner]["lora"])
+                load_owner_state_dict(self.model, segment, parts[owner]["lora"], self.adapter)
                 self.optimizers[owner].load_state_dict(parts[owner]["optim"])
             self.step = int(parts[PROGRESS]["step"])
-        self.loaded_version = version
+        self.loaded_version, self.synced = version, True
+        self.unsaved_round, self.kept_front = None, None
+
+    def begin_turn(self, committed_round: int) -> None:
+        """A turn (re)starts from the server's last committed round. Progress held only in
+        memory counts as the disk would have had it: kept if its round was committed (a
+        faulted turn's steps), dropped for the snapshot on disk if not (a resumed run
+        redoing that round)."""
+        if self.unsaved_round is not None:
+            if self.unsaved_round <= committed_round:
+                self.save_private_state(self.unsaved_round)
+            else:
+                self.synced = False
+        self.store.begin_round(committed_round)
+        self.sync_private_state()
+
+    def after_training_message(self, round_: int, owners: Iterable[str], *, end_of_turn: bool) -> None:
+        """Snapshot once per turn, at its end; after every message where the process serves
+        only one, saving only the `owners` that message changed."""
+        if ONE_MESSAGE_PER_PROCESS:
+            self.save_private_state(round_, owners)
+        elif end_of_turn:
+            self.save_private_state(round_)
+        else:
+            self.unsaved_round = round_
 
     def save_private_state(self, round_: int, owners: Iterable[str] | None = None) -> None:
         """Snapshot the adapters and AdamW of `owners` (default: all this client owns) and the step counter."""
@@ -87,7 +145,7 @@ class ClientRuntime:
         owners = self.owned if owners is None or self.store.version() is None else owners
         parts: dict[str, Any] = {
             owner: {
-                "lora": owner_state_dict(self.model, self.owned[owner]),
+                "lora": owner_state_dict(self.model, self.owned[owner], self.adapter),
                 "optim": self.optimizers[owner].state_dict(),
             }
             for owner in owners
@@ -95,14 +153,35 @@ class ClientRuntime:
         parts[PROGRESS] = {"step": self.step}
         self.store.save(round_, parts)
         self.loaded_version = self.store.version()
+        self.unsaved_round = None
 
 
+_CONFIGS: dict[tuple, tuple[SimConfig, str]] = {}
+_BASES: dict[str, PartyModel] = {}
 _RUNTIMES: dict[tuple[str, int, str], ClientRuntime] = {}
 
 
+def parsed_config(run_config: dict) -> tuple[SimConfig, str]:
+    """The run config and its fingerprint, parsed once per process and content."""
+    key = tuple(sorted(run_config.items()))
+    if key not in _CONFIGS:
+        config = load_config(run_config)
+        _CONFIGS[key] = config, config.fingerprint()
+    return _CONFIGS[key]
+
+
+def shared_party_model(config: SimConfig) -> PartyModel:
+    """The client party's model, one per process and model settings: every virtual client
+    the process serves computes on this frozen base with its own adapter set."""
+    key = json.dumps([asdict(config.model), config.paradigm, list(config.cuts)], sort_keys=True)
+    if key not in _BASES:
+        _BASES[key] = load_party_model(config, CLIENT)
+    return _BASES[key]
+
+
 def client_runtime(context: Context) -> ClientRuntime:
-    """The runtime of this node for this run, built once per process."""
-    config = load_config(context.run_config)
+    """The runtime of this node for this run, built once per process, its adapters active."""
+    config, fingerprint = parsed_config(context.run_config)
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", config.clients.count))
     if config.paradigm == "cl":
@@ -116,16 +195,18 @@ def client_runtime(context: Context) -> ClientRuntime:
     state_dir = str(
         context.node_config.get("state-dir") or config.run_folder() / "clients" / f"partition-{partition_id}"
     )
-    key = (config.fingerprint(), partition_id, state_dir)
+    key = (fingerprint, partition_id, state_dir)
     if key not in _RUNTIMES:
         _RUNTIMES[key] = build_runtime(config, partition_id, state_dir)
         _RUNTIMES[key].store.record_node(context.node_id)
-    return _RUNTIMES[key]
+    runtime = _RUNTIMES[key]
+    runtime.activate()
+    return runtime
 
 
 def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:
     data = RunData.build(config)
-    party = load_party_model(config)
+    party = shared_party_model(config)
     tokenizer = data.tokenizer(party.bundle)
     train = encode_samples(data.train_shard(partition_id), tokenizer, party.instruction)
     test = encode_samples(data.test_shard(partition_id), tokenizer, party.instruction)
@@ -138,7 +219,14 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
     if missing:
         features.add(missing, progress=False)
         features.save(cached)
-    owned = {segment.owner: segment for segment in party.segments if segment.owner in CLIENT_OWNERS[config.paradigm]}
+    owned = {segment.owner: segment for segment in party.segments if segment.owner in PARTY_OWNERS[CLIENT][config.paradigm]}
+    # Named by what the runtime is for, so a rebuilt runtime (a cleared cache) reuses its set.
+    digest = hashlib.sha256(f"{config.fingerprint()}|{partition_id}|{Path(state_dir).resolve()}".encode()).hexdigest()
+    adapter = f"client_{digest[:16]}"
+    initial = {}
+    for segment in owned.values():
+        initial.update(owner_state_dict(party.model, segment, DEFAULT_ADAPTER))
+    add_adapter(party.model, adapter, initial)
     return ClientRuntime(
         config=config,
         partition_id=partition_id,
@@ -157,5 +245,5 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         ),
         store=store,
         owned=owned,
-        initial_lora={owner: owner_state_dict(party.model, segment) for owner, segment in owned.items()},
+        adapter=adapter,
     )

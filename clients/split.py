@@ -6,10 +6,12 @@ the tail after the second cut with the LM head and the loss. Only the packed hid
 states at a cut and their gradients leave it — in SL also the answer tokens, since
 there the labels sit on the server.
 
-Every method is one message. Nothing is kept in memory between messages: a backward
-pass re-runs the front's forward on the same batch (the batch of step s is fixed by
-the seed, and the front's weights have not changed since), which gives the gradient
-the kept graph would have given.
+Every method is one message. In a warm process the forward message keeps the front's
+autograd graph and the step's decoder inputs (clients.runtime.KeptFront) until the
+backward message, which backpropagates through it; USL's tail step reuses the kept
+inputs. A process without them for this step (a fresh one, in deployment) re-runs the
+front's forward on the same batch (the batch of step s is fixed by the seed, and the
+front's weights have not changed since), which gives the gradient the kept graph gives.
 """
 
 import json
@@ -17,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from clients.runtime import ClientRuntime
+from clients.runtime import ClientRuntime, KeptFront
 from pruning import PruningRecord
+from training import protocol
 from training.batches import EncodedSample, batch_positions, decoder_inputs
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
@@ -77,17 +80,32 @@ class SplitClient:
     # -- training ------------------------------------------------------------------------
     def begin(self, round_: int, committed_round: int) -> dict:
         """Start of a turn: go back to the committed state, send the first activation."""
-        self.rt.store.begin_round(committed_round)
-        self.rt.sync_private_state()
+        self.rt.begin_turn(committed_round)
         return self.forward_payload()
 
     def forward_payload(self) -> dict:
+        """Step t's front, kept with its graph for the backward message; reply its activation."""
+        batch = self.train_batch()
+        inputs, hidden, pruned = self.front_forward(batch, [item.answer_ids for item in batch])
+        rows, lengths = pack_rows(hidden, inputs.attention_mask)
+        self.rt.kept_front = KeptFront(step=self.rt.step, inputs=inputs, rows=rows)
+        return {"tensors": {protocol.ROWS: rows.detach(), protocol.LENGTHS: lengths, **self.extra_forward_tensors(batch)},
+                "metrics": pruned.as_message_metrics()}
+
+    def kept_front(self) -> KeptFront | None:
+        """This step's kept front, if this process computed it and nothing reloaded since."""
+        kept = self.rt.kept_front
+        return kept if kept is not None and kept.step == self.rt.step else None
+
+    def step_inputs(self) -> DecoderInputs:
+        """The current step's decoder inputs: kept, or recomputed without a graph."""
+        kept = self.kept_front()
+        if kept is not None:
+            return kept.inputs
         batch = self.train_batch()
         with torch.no_grad():
-            inputs, hidden, pruned = self.front_forward(batch, [item.answer_ids for item in batch])
-        rows, lengths = pack_rows(hidden, inputs.attention_mask)
-        return {"tensors": {"rows": rows, "lengths": lengths, **self.extra_forward_tensors(batch)},
-                "metrics": pruned.as_message_metrics()}
+            inputs, _ = self.inputs(batch, [item.answer_ids for item in batch])
+        return inputs
 
     def extra_forward_tensors(self, batch: Sequence[EncodedSample]) -> dict[str, torch.Tensor]:
         return {}
@@ -96,16 +114,21 @@ class SplitClient:
         """The gradient at the first cut arrived: finish step t, and start step t+1 in the same reply."""
         rt = self.rt
         rt.sync_private_state()
-        batch = self.train_batch()
-        inputs, hidden, _ = self.front_forward(batch, [item.answer_ids for item in batch])
-        rows, _ = pack_rows(hidden, inputs.attention_mask)
+        kept = self.kept_front()
+        if kept is None:
+            batch = self.train_batch()
+            inputs, hidden, _ = self.front_forward(batch, [item.answer_ids for item in batch])
+            rows, _ = pack_rows(hidden, inputs.attention_mask)
+        else:
+            rows = kept.rows
+        rt.kept_front = None
         check_rows("gradient at the first cut", grad_rows, rows.shape[0])
         optimizer = rt.optimizers[self.front]
         optimizer.zero_grad(set_to_none=True)
         rows.backward(grad_rows.to(rows.device, rows.dtype))
         optimizer.step()
         rt.step += 1
-        rt.save_private_state(round_, owners=(self.front,))
+        rt.after_training_message(round_, (self.front,), end_of_turn=not go_on)
         return self.forward_payload() if go_on else {"tensors": {}, "metrics": {}}
 
     # -- evaluation: greedy answers, scored on the client ----------------------------------
@@ -125,7 +148,7 @@ class SplitClient:
         with torch.no_grad():
             inputs, hidden, _ = self.front_forward(batch, self._answers(generated))
         rows, lengths = pack_rows(hidden, inputs.attention_mask)
-        return {"tensors": {"rows": rows, "lengths": lengths}, "metrics": {}}
+        return {"tensors": {protocol.ROWS: rows, protocol.LENGTHS: lengths}, "metrics": {}}
 
     def _answers(self, generated: list[list[int]]) -> list[torch.Tensor]:
         return [torch.tensor(tokens, dtype=torch.long) for tokens in generated]

@@ -7,6 +7,7 @@ the question, the answer, the labels or the logits: the loss is computed here.
 import torch
 
 from clients.split import SplitClient, check_rows
+from training import protocol
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import unpack_rows
 
@@ -16,7 +17,7 @@ class USLClient(SplitClient):
 
     def _tail(self, inputs, rows: torch.Tensor) -> torch.Tensor:
         tail = self.rt.owned["tail"]
-        check_rows("activation at CB", rows, int(inputs.attention_mask.sum()))
+        check_rows(protocol.ACTIVATION_AT_CB.name, rows, int(inputs.attention_mask.sum()))
         hidden, attention_mask, position_ids = unpack_rows(rows, inputs.attention_mask.sum(-1))
         return run_decoder_layers(
             self.rt.model, hidden, attention_mask, position_ids, tail.start, tail.stop, apply_head=True
@@ -26,17 +27,15 @@ class USLClient(SplitClient):
         """Activation at CB -> tail, loss, backward, tail update; reply the gradient at CB."""
         rt = self.rt
         rt.sync_private_state()
-        batch = self.train_batch()
-        with torch.no_grad():
-            inputs, _ = self.inputs(batch, [item.answer_ids for item in batch])
+        inputs = self.step_inputs()
         rows = rows.to(rt.party.device, next(rt.model.parameters()).dtype).requires_grad_()
         loss = next_token_loss(self._tail(inputs, rows), inputs.labels)
         optimizer = rt.optimizers["tail"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        rt.save_private_state(round_, owners=("tail",))
-        return {"tensors": {"grad": rows.grad}, "metrics": {"loss": loss.detach().item()}}
+        rt.after_training_message(round_, ("tail",), end_of_turn=False)
+        return {"tensors": {protocol.GRAD: rows.grad}, "metrics": {"loss": loss.detach().item()}}
 
     def eval_tail(self, rows: torch.Tensor) -> dict:
         scratch = self._scratch()

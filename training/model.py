@@ -1,30 +1,39 @@
 """The model every party builds from the run config: same base weights, same LoRA start.
 
-Each party builds the whole model but trains and keeps only its own segment's
-adapters (vlm.cuts / vlm.lora); the frozen base is identical everywhere because it
-comes from the same checkpoint (or, for `tiny`, the same seed).
+A party trains and keeps only its own segments' adapters (vlm.cuts / vlm.lora); the
+frozen base is identical everywhere because it comes from the same checkpoint (or,
+for `tiny`, the same seed). A party given its role materialises only the modules its
+segments run and leaves the rest on the meta device; without a role (an attacking
+server, attack replays, the one-process reference) it holds the whole public model.
 """
 
 from dataclasses import dataclass
 
 import torch
 from peft import PeftModel
+from torch import nn
 
 from config import SimConfig
 from vlm.cuts import LayerSegment, split_layers
-from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model, clip_image_preprocessor, load_model
+from vlm.loading import COMPUTE_DTYPES, ModelBundle, ModelNotAvailableError, ParameterCounts, load_weights
 from vlm.lora import apply_lora
-from vlm.profiles import TINY, get_profile
+from vlm.profiles import Profile, get_profile
+from vlm.segments import llava_parts
 from vlm.mini.tokenizer import PAD, SPECIAL_TOKENS
 from vqa import IMAGE_PLACEHOLDER, SHORT_ANSWER_INSTRUCTION
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Random-weight models take the word tokenizer's fixed special-token ids and a fixed
 # vocabulary size, so a party that never reads text (the USL server) builds the same
 # model without a tokenizer; 64 holds easy-VQA's words.
 RANDOM_PAD_ID = SPECIAL_TOKENS.index(PAD)
 RANDOM_IMAGE_ID = SPECIAL_TOKENS.index(IMAGE_PLACEHOLDER)
 RANDOM_VOCAB_SIZE = 64
+CLIENT, SERVER = "client", "server"
+# The segments each party runs, trains and keeps, per paradigm (vlm.cuts owner names).
+PARTY_OWNERS = {
+    CLIENT: {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")},
+    SERVER: {"sl": ("server",), "usl": ("body",)},
+}
 
 
 @dataclass
@@ -49,40 +58,79 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_bundle(config: SimConfig, device: torch.device) -> ModelBundle:
-    profile = get_profile(config.model.profile)
-    dtype = COMPUTE_DTYPES[config.model.dtype]
-    if profile.name == TINY.name or config.model.stage == "random":
-        model = build_random_model(
-            profile,
+    try:
+        return load_weights(
+            config.model.profile,
+            stage=config.model.stage,
+            source=config.model.source or None,
+            dtype=COMPUTE_DTYPES[config.model.dtype],
+            device=device,
             seed=config.model.seed,
-            dtype=dtype,
-            vocab_size=RANDOM_VOCAB_SIZE,
-            image_token_id=RANDOM_IMAGE_ID,
-            pad_token_id=RANDOM_PAD_ID,
+            random_token_ids=dict(
+                vocab_size=RANDOM_VOCAB_SIZE, image_token_id=RANDOM_IMAGE_ID, pad_token_id=RANDOM_PAD_ID
+            ),
         )
-        return ModelBundle(model, profile, None, clip_image_preprocessor(profile.image_size))
-    if profile.hf_id:
-        try:
-            return load_model(profile, source=config.model.source or None, dtype=dtype, device=str(device))
-        except ModelNotAvailableError as error:
-            raise ModelNotAvailableError(
-                f"{error} With flwr run: --run-config 'model.source=\"/path/to/llava-1.5-7b-hf\"'."
-            ) from error
-    return load_model(profile, stage=config.model.stage)
+    except ModelNotAvailableError as error:
+        if not get_profile(config.model.profile).hf_id:
+            raise
+        raise ModelNotAvailableError(
+            f"{error} With flwr run: --run-config 'model.source=\"/path/to/llava-1.5-7b-hf\"'."
+        ) from error
 
 
-def load_party_model(config: SimConfig) -> PartyModel:
-    """The run's model with LoRA on every decoder layer, initialised from `model.seed`."""
+def load_party_model(config: SimConfig, role: str | None = None) -> PartyModel:
+    """The run's model with LoRA on every decoder layer, initialised from `model.seed`.
+
+    `role` (CLIENT or SERVER): keep only the modules that party's segments run, the rest
+    on the meta device; None: the whole model.
+    """
     device = resolve_device(config.model.device)
     bundle = load_bundle(config, device)
     base = bundle.model.to(device)
-    # Every party (and the one-process reference) must start from the same adapters.
+    # Every party (and the one-process reference) must start from the same adapters; LoRA
+    # goes on before anything moves to meta, whose initialisers draw no random numbers.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.model.seed)
         model = apply_lora(base, rank=config.model.lora_rank)
     model.to(device)
     segments = split_layers(get_profile(config.model.profile).num_layers, config.cuts)
+    if role is not None:
+        run = party_segments(segments, config.paradigm, role)
+        for module, runs in party_modules(model, run):
+            if not runs:
+                module.to("meta")
     return PartyModel(bundle=bundle, model=model, segments=segments, device=device)
+
+
+def party_segments(segments: tuple[LayerSegment, ...], paradigm: str, role: str) -> tuple[LayerSegment, ...]:
+    owners = PARTY_OWNERS[role].get(paradigm, ())
+    return tuple(segment for segment in segments if segment.owner in owners)
+
+
+def party_modules(model: nn.Module, run: tuple[LayerSegment, ...]) -> list[tuple[nn.Module, bool]]:
+    """Every base module of the model, and whether a party running segments `run` needs it:
+    the first segment also runs vision tower, projector and embeddings, the last the final
+    norm and the LM head (the same rule as vlm.loading.ParameterCounts.for_segment)."""
+    parts = llava_parts(model)
+    front = any(segment.start == 0 for segment in run)
+    back = any(segment.is_last for segment in run)
+    decoder = parts.language_model
+    modules = [(parts.vision_tower, front), (parts.projector, front), (decoder.embed_tokens, front)]
+    modules += [(layer, any(index in segment for segment in run)) for index, layer in enumerate(decoder.layers)]
+    return [*modules, (decoder.norm, back), (parts.lm_head, back)]
+
+
+def party_parameter_bytes(profile: Profile, counts: ParameterCounts) -> dict[str, dict[str, int]]:
+    """The frozen base bytes each party holds at the profile's default cuts, LoRA excluded,
+    in 16-bit (fp16/bf16) and fp32; `counts` from vlm.loading.count_parameters (a
+    meta-device model counts at any size)."""
+    cuts = {"usl": profile.usl_cuts, "sl": (profile.sl_cut,), "fl": ()}
+    held = {}
+    for paradigm, role in (("usl", CLIENT), ("usl", SERVER), ("sl", CLIENT), ("sl", SERVER), ("fl", CLIENT)):
+        segments = split_layers(profile.num_layers, cuts[paradigm])
+        parameters = sum(counts.for_segment(segment) for segment in party_segments(segments, paradigm, role))
+        held[f"{paradigm} {role}"] = {"16-bit": 2 * parameters, "fp32": 4 * parameters}
+    return held
 
 
 def make_optimizer(parameters, config: SimConfig) -> torch.optim.AdamW:

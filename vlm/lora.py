@@ -3,6 +3,10 @@
 Each LoRA parameter belongs to exactly one party, decided by its decoder-layer
 index and the cuts (vlm.cuts). A party saves, sends and restores only its own
 subset; the others' adapters are never touched.
+
+One frozen base can carry several named adapter sets (peft's `add_adapter`), e.g. one
+per virtual client served by a process; every function here reads or writes one set,
+`adapter` ("default": the one `apply_lora` made).
 """
 
 import re
@@ -22,6 +26,7 @@ from vlm.cuts import LayerSegment
 LORA_TARGET_MODULES = r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 _DECODER_LAYER_INDEX = re.compile(r"language_model\.layers\.(\d+)\.")
 _METADATA_OWNER = "owner"
+DEFAULT_ADAPTER = "default"
 _METADATA_LAYERS = "layers"
 
 
@@ -58,35 +63,54 @@ def decoder_layer_index(name: str) -> int:
     return int(match.group(1))
 
 
-def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {name: parameter for name, parameter in model.named_parameters() if "lora_" in name}
+def add_adapter(model: PeftModel, name: str, initial: dict[str, torch.Tensor]) -> None:
+    """A second adapter set `name` on the same base, configured like "default" and holding
+    `initial` (peft-format keys); adapters on meta-device layers stay empty."""
+    if name not in model.peft_config:
+        # Its random initialisation is overwritten below; it must not move the process's RNG.
+        with torch.random.fork_rng(devices=[]):
+            model.add_adapter(name, model.peft_config[DEFAULT_ADAPTER])
+    result = set_peft_model_state_dict(model, initial, adapter_name=name)
+    if result.unexpected_keys:
+        raise ValueError(f"peft did not place these adapter keys: {result.unexpected_keys[:4]}")
 
 
-def owner_lora_parameters(model: nn.Module, segment: LayerSegment) -> dict[str, nn.Parameter]:
+def lora_parameters(model: nn.Module, adapter: str = DEFAULT_ADAPTER) -> dict[str, nn.Parameter]:
+    marker = re.compile(rf"\.lora_[AB]\.{re.escape(adapter)}\.")
+    return {name: parameter for name, parameter in model.named_parameters() if marker.search(name)}
+
+
+def owner_lora_parameters(
+    model: nn.Module, segment: LayerSegment, adapter: str = DEFAULT_ADAPTER
+) -> dict[str, nn.Parameter]:
     """The LoRA parameters `segment.owner` trains (its optimiser's parameter list)."""
     return {
         name: parameter
-        for name, parameter in lora_parameters(model).items()
+        for name, parameter in lora_parameters(model, adapter).items()
         if decoder_layer_index(name) in segment
     }
 
 
-def owner_state_dict(model: PeftModel, segment: LayerSegment) -> dict[str, torch.Tensor]:
+def owner_state_dict(model: PeftModel, segment: LayerSegment, adapter: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
     """The owner's adapters in peft's adapter-file key format (detached copies)."""
     return {
         key: value.detach().clone()
-        for key, value in get_peft_model_state_dict(model).items()
+        for key, value in get_peft_model_state_dict(model, adapter_name=adapter).items()
         if decoder_layer_index(key) in segment
     }
 
 
-def load_owner_state_dict(model: PeftModel, segment: LayerSegment, state: dict[str, torch.Tensor]) -> None:
+def load_owner_state_dict(
+    model: PeftModel, segment: LayerSegment, state: dict[str, torch.Tensor], adapter: str = DEFAULT_ADAPTER
+) -> None:
     """Restore exactly the owner's adapters; the other owners' adapters stay as they are.
 
     The keys must be the owner's full set: a partial or foreign state would leave
     stale values or overwrite another party's adapters without notice.
     """
-    expected = {key for key in get_peft_model_state_dict(model) if decoder_layer_index(key) in segment}
+    expected = {
+        key for key in get_peft_model_state_dict(model, adapter_name=adapter) if decoder_layer_index(key) in segment
+    }
     foreign = sorted(key for key in state if key not in expected)
     missing = sorted(expected - state.keys())
     if foreign or missing:
@@ -94,7 +118,7 @@ def load_owner_state_dict(model: PeftModel, segment: LayerSegment, state: dict[s
             f"state for owner {segment.owner!r} (layers [{segment.start}, {segment.stop})) does not match its "
             f"adapters: {len(foreign)} foreign keys (e.g. {foreign[:2]}), {len(missing)} missing (e.g. {missing[:2]})"
         )
-    result = set_peft_model_state_dict(model, state)
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter)
     if result.unexpected_keys:
         raise ValueError(f"peft did not place these adapter keys: {result.unexpected_keys[:4]}")
 

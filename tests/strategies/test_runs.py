@@ -144,7 +144,7 @@ def test_a_client_that_never_answers_times_out(run_config, fake_grid):
     assert fault["client"] == 2 and "no reply" in fault["reason"]
 
 
-def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weights(run_config, fake_grid):
+def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weights(run_config, fake_grid, monkeypatch):
     """Deployment mode: nothing a client learned may live only in its process's memory."""
     from clients import runtime as client_runtime_module
 
@@ -159,6 +159,7 @@ def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weig
         return reply
 
     grid.interceptors = {1: forget_everything, 2: forget_everything}
+    monkeypatch.setattr(client_runtime_module, "ONE_MESSAGE_PER_PROCESS", True)
     cold = run(grid, load_config({**raw, "output.name": "cold"}))
     # 2 rounds × 2 clients × (2·2+1) training messages + 2 clients × (begin + 2 tokens) to evaluate.
     assert len(forgotten) == 2 * 2 * (2 * 2 + 1) + 2 * 3
