@@ -36,7 +36,8 @@ def knowledge_for_run(config: SimConfig, party: PartyModel | None = None) -> Att
     """
     party = party or load_party_model(config)
     return AttackerKnowledge(
-        model=party.model.eval(), tokenizer=RunData.build(config).tokenizer(party.bundle), preprocess_images=party.bundle.preprocess_images,
+        model=party.model.eval(), tokenizer=RunData.build(config).tokenizer(party.bundle),
+        preprocess_images=party.bundle.preprocess_images,
         cuts=config.cuts, instruction=party.instruction, device=party.device,
         recipe=TrainingRecipe(lr=config.train.lr, batch_size=config.train.batch_size,
                               steps=config.train.rounds * config.train.steps_per_round),

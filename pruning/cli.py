@@ -33,8 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--model-stage",
         default=DEFAULTS.model_stage,
-        help="vqa: the trained VQA model answers; random: seeded random weights",
+        help="vqa: the trained VQA model answers (mini's build, LLaVA-1.5's checkpoint); random: seeded random weights",
     )
+    prepare.add_argument(
+        "--model-source",
+        default=DEFAULTS.model_source,
+        metavar="DIR",
+        help="LLaVA checkpoint folder (or a hub id in the local HF cache; empty: the profile's hub id there)",
+    )
+    prepare.add_argument(
+        "--text-source", default=DEFAULTS.text_source, metavar="DIR", help="CLIP checkpoint folder for the text tower"
+    )
+    prepare.add_argument("--dino-source", default=DEFAULTS.dino_source, metavar="DIR", help="DINOv2 checkpoint folder")
+    prepare.add_argument("--dtype", default=DEFAULTS.dtype, help="the answering model's dtype: fp32, bf16, fp16")
+    prepare.add_argument("--device", default=DEFAULTS.device, help="where the answering model and encoders run")
     prepare.add_argument(
         "--dataset",
         dest="datasets",

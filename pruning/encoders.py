@@ -170,6 +170,29 @@ def build_random_encoders(
     return FrozenEncoders(profile, text_model, tokenizer, dino, dino_image_preprocessor(profile.dino_image_size))
 
 
+def _text_owner(profile: PruningProfile) -> str:
+    return f"the CLIP text tower of pruning profile {profile.name!r}"
+
+
+def _dino_owner(profile: PruningProfile) -> str:
+    return f"DINOv2 of pruning profile {profile.name!r}"
+
+
+def encoder_checkpoints(
+    profile: PruningProfile,
+    *,
+    text_source: str | Path | None = None,
+    dino_source: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> tuple[Path, Path]:
+    """The local CLIP text and DINOv2 checkpoint folders, found without loading anything;
+    ModelNotAvailableError in milliseconds when one is absent (vlm.loading.resolve_checkpoint)."""
+    return (
+        resolve_checkpoint(_text_owner(profile), profile.text_hf_id, text_source, cache_dir, "pruning.text_source"),
+        resolve_checkpoint(_dino_owner(profile), profile.dino_hf_id, dino_source, cache_dir, "pruning.dino_source"),
+    )
+
+
 def load_pretrained_encoders(
     profile: PruningProfile,
     *,
@@ -178,10 +201,10 @@ def load_pretrained_encoders(
     cache_dir: str | Path | None = None,
 ) -> FrozenEncoders:
     """Real CLIP text tower (+ its tokenizer) and DINOv2 from local folders or the local HF cache."""
-    text_owner = f"the CLIP text tower of pruning profile {profile.name!r}"
-    dino_owner = f"DINOv2 of pruning profile {profile.name!r}"
-    text_path = resolve_checkpoint(text_owner, profile.text_hf_id, text_source, cache_dir, "pruning.text_source")
-    dino_path = resolve_checkpoint(dino_owner, profile.dino_hf_id, dino_source, cache_dir, "pruning.dino_source")
+    text_path, dino_path = encoder_checkpoints(
+        profile, text_source=text_source, dino_source=dino_source, cache_dir=cache_dir
+    )
+    text_owner, dino_owner = _text_owner(profile), _dino_owner(profile)
     try:
         # A full CLIPModel checkpoint holds the text tower under the keys CLIPTextModel reads.
         text_model = CLIPTextModel.from_pretrained(text_path, local_files_only=True)

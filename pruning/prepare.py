@@ -2,6 +2,12 @@
 
 `prepare_dtp(settings, out)` (and `qpriv-prune prepare`) runs four stages:
 
+The answering model comes from the same loading rule as a run's (vlm.loading.load_weights):
+the mini model's build, LLaVA-1.5-7B from a local folder (`model_source`) with the real CLIP
+text tower and DINOv2 (`text_source`, `dino_source`), or seeded random weights reading the
+word tokenizer over the preparation's samples (vlm.mini.tokenizer.build_sample_tokenizer, the
+rule every run applies). Absent real weights fail before any data loads.
+
 1. oracle: a fixed, randomly initialised scorer (seed `seed`) ranks each sample's patches;
    for ρ in the grid, scanned in `direction` order ("smallest": small to large, the
    paper's text; "largest": large to small), the model answers with the top-k kept;
@@ -31,7 +37,7 @@ import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,20 +50,29 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from pruning.artifacts import oracle_key, save_dtp, save_oracle
-from pruning.encoders import FrozenEncoders, load_encoders, update_with_weights
+from pruning.encoders import FrozenEncoders, encoder_checkpoints, load_encoders, update_with_weights
 from pruning.inputs import PruningInputCache
 from pruning.module import GAMMA_INIT, QPrivVL, build_qpriv_vl, keep_count, keep_indices
 from pruning.profiles import PruningProfile, get_pruning_profile, pruning_profile_names
 from vlm.answering import VisualTokenTransform, answer_questions
 from vlm.features import VisionFeatureCache
-from vlm.loading import build_random_model, clip_image_preprocessor, load_model
+from vlm.loading import (
+    COMPUTE_DTYPES,
+    RANDOM_STAGE,
+    ModelBundle,
+    ModelNotAvailableError,
+    load_weights,
+    locate_weights,
+    uses_random_weights,
+)
 from vlm.mini import MiniRecipe
-from vlm.mini.tokenizer import build_word_tokenizer
+from vlm.mini.tokenizer import build_sample_tokenizer
+from vlm.profiles import get_profile
 from vqa import (
     PRIVATE,
+    SHORT_ANSWER_INSTRUCTION,
     BagImage,
     VQASample,
-    build_prompt,
     dataset_names,
     first_token_substring_match,
     get_adapter,
@@ -71,10 +86,9 @@ ORACLE_GRID = (0.10, 0.20, 0.30, 0.50, 0.70)
 DIRECTIONS = ("smallest", "largest")
 # ρ* of a sample no grid ratio kept correct: prune to the k_min floor.
 NO_MATCH_RATIO = 1.0
-# "vqa": the trained VQA model answers the oracle; "random": seeded random weights (tests, timing).
-MODEL_STAGES = ("vqa", "random")
-# Profiles whose trained VQA model loads offline on a CPU (llava-1.5-7b would need a GPU placement).
-TRAINED_MODEL_PROFILES = ("mini",)
+# "vqa": the trained VQA model answers the oracle (mini's build, LLaVA-1.5's checkpoint);
+# "random": seeded random weights (tests, timing).
+MODEL_STAGES = ("vqa", RANDOM_STAGE)
 TRAIN_SPLIT = "train"
 BAG_TEST_SPLIT = "test"
 REPORT_FILE = "prepare.json"
@@ -101,7 +115,10 @@ class PrepareSettings:
     Counts are per dataset (`samples`, `oracle_samples`, `eval_oracle_samples`) or per
     bag set and split (`bag_samples`); each is a seeded random subset (`seed`) in source
     order, the same rows `load_vqa(..., limit, seed)` gives a simulation. `sources` maps a
-    dataset or bag-set name to a local copy or hub id. `lr` is every stage's AdamW rate.
+    dataset or bag-set name to a local copy or hub id; `model_source`, `text_source` and
+    `dino_source` are the real checkpoints (local folders or cached hub ids; empty: the
+    profile's hub ids in the local HF cache) of profiles that have them. The answering
+    model runs in `dtype` on `device`. `lr` is every stage's AdamW rate.
     """
 
     profile: str = "mini"
@@ -109,6 +126,11 @@ class PrepareSettings:
     bags: tuple[str, ...] = ("easyvqa-stamped",)
     sources: Mapping[str, str] = field(default_factory=dict)
     model_stage: str = "vqa"
+    model_source: str = ""
+    text_source: str = ""
+    dino_source: str = ""
+    dtype: str = "fp32"
+    device: str = "cpu"
     alpha: float = 1.0
     beta: float = 1.0
     seed: int = 0
@@ -141,13 +163,30 @@ class PrepareSettings:
         profiles = pruning_profile_names()
         require(self.profile in profiles, "--profile", self.profile, ", ".join(profiles))
         require(self.model_stage in MODEL_STAGES, "--model-stage", self.model_stage, ", ".join(MODEL_STAGES))
-        if self.model_stage == "vqa":
+        trained = [name for name in profiles if not uses_random_weights(get_profile(name), "vqa")]
+        require(
+            self.profile in trained or self.model_stage == RANDOM_STAGE,
+            "--profile",
+            self.profile,
+            f"{', '.join(trained)} with --model-stage vqa (any profile with --model-stage {RANDOM_STAGE})",
+        )
+        pruning_profile = get_pruning_profile(self.profile)
+        for option, value, hub_id in (
+            ("--model-source", self.model_source, pruning_profile.model.hf_id),
+            ("--text-source", self.text_source, pruning_profile.text_hf_id),
+            ("--dino-source", self.dino_source, pruning_profile.dino_hf_id),
+        ):
             require(
-                self.profile in TRAINED_MODEL_PROFILES,
-                "--profile",
-                self.profile,
-                f"{', '.join(TRAINED_MODEL_PROFILES)} with --model-stage vqa (any profile with --model-stage random)",
+                not value or (hub_id is not None and self.model_stage != RANDOM_STAGE),
+                option,
+                value,
+                f"'' (profile {self.profile!r} at --model-stage {self.model_stage} has no real checkpoint to read)",
             )
+        require(self.dtype in COMPUTE_DTYPES, "--dtype", self.dtype, ", ".join(COMPUTE_DTYPES))
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            require(False, "--device", self.device, "a torch device: cpu, cuda, cuda:1, …")
         for option, names, known in (
             ("--dataset", self.datasets, dataset_names()),
             ("--bags", self.bags, privacy_bag_names()),
@@ -388,21 +427,51 @@ class FrozenInputs:
         return self.vision.stack(samples), self.pruning.question_vectors(samples), self.pruning.dino_patches(samples)
 
 
-def load_answering_model(settings: PrepareSettings, texts: Sequence[str]) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """The trained VQA model, or (`model_stage="random"`) seeded random weights reading a
-    word tokenizer built from `texts`."""
-    if settings.model_stage == "vqa":
-        bundle = load_model(settings.profile, stage="vqa")
-        return bundle.model, bundle.tokenizer
-    tokenizer = build_word_tokenizer(texts)
-    model = build_random_model(
-        get_pruning_profile(settings.profile).model,
+def check_weights(settings: PrepareSettings) -> None:
+    """Fail in milliseconds, before any data loads, when a real checkpoint the preparation reads is absent."""
+    profile = get_pruning_profile(settings.profile)
+    try:
+        locate_weights(profile.model, stage=settings.model_stage, source=settings.model_source or None)
+        if not _random_encoders(settings):
+            encoder_checkpoints(
+                profile, text_source=settings.text_source or None, dino_source=settings.dino_source or None
+            )
+    except ModelNotAvailableError as error:
+        raise ModelNotAvailableError(
+            f"{error} With qpriv-prune prepare: --model-source DIR (LLaVA), --text-source DIR (CLIP), "
+            "--dino-source DIR (DINOv2)."
+        ) from error
+
+
+def _random_encoders(settings: PrepareSettings) -> bool:
+    """Random encoders go with a random-weight model, and with profiles that name no real encoders."""
+    profile = get_pruning_profile(settings.profile)
+    return uses_random_weights(profile.model, settings.model_stage) or None in (profile.text_hf_id, profile.dino_hf_id)
+
+
+def load_answering_model(settings: PrepareSettings, samples: Sequence[VQASample]) -> ModelBundle:
+    """The model the oracle asks, with a tokenizer: loaded as a run loads it (vlm.loading.load_weights);
+    random weights read the word tokenizer over `samples` (its size is their vocabulary)."""
+    profile = get_pruning_profile(settings.profile).model
+    tokenizer = None
+    token_ids = None
+    if uses_random_weights(profile, settings.model_stage):
+        tokenizer = build_sample_tokenizer(samples)
+        token_ids = dict(
+            vocab_size=len(tokenizer),
+            image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    bundle = load_weights(
+        profile,
+        stage=settings.model_stage,
+        source=settings.model_source or None,
+        dtype=COMPUTE_DTYPES[settings.dtype],
+        device=settings.device,
         seed=settings.seed,
-        vocab_size=len(tokenizer),
-        image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
-        pad_token_id=tokenizer.pad_token_id,
+        random_token_ids=token_ids,
     )
-    return model, tokenizer
+    return replace(bundle, tokenizer=bundle.tokenizer or tokenizer)
 
 
 @torch.no_grad()
@@ -420,12 +489,18 @@ def encode_bags(encoders: FrozenEncoders, bags: Sequence[BagImage], *, desc: str
 def load_frozen_inputs(settings: PrepareSettings, data: PreparationData, *, progress: bool) -> FrozenInputs:
     profile = get_pruning_profile(settings.profile)
     samples = [*data.training, *data.held_out]
-    texts = [f"{build_prompt(sample.question, None)} {sample.answer}" for sample in samples]
-    model, tokenizer = load_answering_model(settings, texts)
+    bundle = load_answering_model(settings, samples)
+    model, tokenizer = bundle.model, bundle.tokenizer
     digest = hashlib.sha256()
     update_with_weights(digest, model)
-    encoders = load_encoders(profile, tokenizer=tokenizer, random_weights=settings.model_stage == "random")
-    vision = VisionFeatureCache(model, clip_image_preprocessor(profile.model.image_size))
+    encoders = load_encoders(
+        profile,
+        tokenizer=tokenizer,
+        random_weights=_random_encoders(settings),
+        text_source=settings.text_source or None,
+        dino_source=settings.dino_source or None,
+    ).to(settings.device)
+    vision = VisionFeatureCache(model, bundle.preprocess_images)
     vision.add(samples, progress=progress)
     pruning = PruningInputCache(encoders)
     pruning.add(samples, progress=progress)
@@ -440,8 +515,9 @@ def load_frozen_inputs(settings: PrepareSettings, data: PreparationData, *, prog
         profile=profile,
         model=model,
         tokenizer=tokenizer,
-        # The offline profiles are trained with the mini recipe's prompt (no short-answer line).
-        instruction=MiniRecipe().instruction,
+        # The run's prompt (training.model.PartyModel.instruction): LLaVA-1.5's short-answer line
+        # for its real checkpoint; the offline profiles are trained without it (the mini recipe's).
+        instruction=SHORT_ANSWER_INSTRUCTION if profile.model.hf_id else MiniRecipe().instruction,
         model_fingerprint=digest.hexdigest()[:16],
         encoders=encoders,
         vision=vision,
@@ -743,6 +819,7 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
     """Run (or resume) the preparation into `out`; returns the report also written to out/prepare.json."""
     out = Path(out)
     started = time.perf_counter()
+    check_weights(settings)
     data = load_preparation_data(settings)
     frozen = load_frozen_inputs(settings, data, progress=progress)
     inputs_seconds = round(time.perf_counter() - started, 2)

@@ -90,7 +90,8 @@ class RunData:
 
     def mark_patches(self, profile: Profile) -> dict[str, tuple[int, ...]]:
         """The patches holding each stamped image's mark at `profile`'s patch grid."""
-        return {image: mark_patches(record, profile.image_size, profile.patch_size) for image, record in self.marks.items()}
+        size, patch = profile.image_size, profile.patch_size
+        return {image: mark_patches(record, size, patch) for image, record in self.marks.items()}
 
     def auxiliary(self, limit: int, seed: int = 1) -> list[VQASample]:
         """`limit` rows of the run's `threat.aux_split` whose images no client trains on or scores on:
@@ -99,7 +100,9 @@ class RunData:
         taken = {s.image_id for s in self.samples}
         # Enough rows that `limit` remain after the clients' own rows of this split are left out.
         clients_rows = {data.train_split: self.train_all, data.test_split: self.test_all}.get(split, [])
-        pool = load_vqa(data.dataset, split, data.source or None, limit=limit + len(clients_rows), seed=data.seed + seed)
+        pool = load_vqa(
+            data.dataset, split, data.source or None, limit=limit + len(clients_rows), seed=data.seed + seed
+        )
         aux = [s for s in pool if s.image_id not in taken][:limit]
         if not aux:
             raise ValueError(f"no auxiliary rows left in {data.dataset}/{split} outside the clients' data")

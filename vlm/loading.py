@@ -1,13 +1,15 @@
 """Getting a model for a profile: real weights, random weights, or shapes only.
 
-Loaders live in a registry keyed by profile name so that a profile with its own
-way of loading (the mini model's trained checkpoint) plugs in without an if/elif
-chain here. Profiles whose loader lives in a separate module are imported on first
-use (LAZY_LOADER_MODULES), so callers need not remember to import them.
+`load_weights` is the one decision of which weights a run's model has (random, real
+or a built checkpoint); every party of a run (training.model) and the DTP preparation
+(pruning.prepare) load through it. Loaders live in a registry keyed by profile name so
+that a profile with its own way of loading (the mini model's trained checkpoint) plugs
+in without an if/elif chain here. Profiles whose loader lives in a separate module are
+imported on first use (LAZY_LOADER_MODULES), so callers need not remember to import them.
 """
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,12 +26,15 @@ from transformers import (
 )
 
 from vlm.cuts import LayerSegment
-from vlm.profiles import Profile, build_llava_config, get_profile
+from vlm.profiles import TINY, Profile, build_llava_config, get_profile
 from vlm.segments import llava_parts
 
 # Files whose presence shows a complete HF checkpoint folder (config plus sharded or single weights).
 CONFIG_FILE = "config.json"
 WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "model.safetensors")
+# The stage of seeded random weights at a profile's shapes (costs, tests), whatever the profile.
+RANDOM_STAGE = "random"
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelNotAvailableError(RuntimeError):
@@ -226,6 +231,55 @@ def load_pretrained_llava(
         tokenizer=processor.tokenizer,
         preprocess_images=HFImagePreprocessor(processor.image_processor),
     )
+
+
+def uses_random_weights(profile: Profile, stage: str) -> bool:
+    """Stage "random", or a profile without weights of its own (tiny)."""
+    return stage == RANDOM_STAGE or profile.name == TINY.name
+
+
+def load_weights(
+    profile: str | Profile,
+    *,
+    stage: str,
+    source: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    random_token_ids: Mapping[str, int] | None = None,
+    cache_dir: str | Path | None = None,
+) -> ModelBundle:
+    """A profile's model at `stage`, in `dtype` on `device`:
+
+    - seeded random weights (`uses_random_weights`) of the profile's shapes, without a
+      tokenizer; `random_token_ids` (vocab_size, image_token_id, pad_token_id) fix its text
+      side, so that a party that never reads text builds the same model;
+    - a profile with a hub id (llava-1.5-7b): its real checkpoint from `source`, a local
+      folder or a hub id already in the local HF cache; absent weights raise
+      ModelNotAvailableError in milliseconds, saying how to supply them (`locate_weights`);
+    - otherwise the profile's registered loader at `stage` (the mini model's build).
+    """
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    if uses_random_weights(profile, stage):
+        model = build_random_model(profile, seed=seed, dtype=dtype, **dict(random_token_ids or {}))
+        return ModelBundle(model.to(device), profile, None, clip_image_preprocessor(profile.image_size))
+    if profile.hf_id:
+        return load_model(profile, source=source, dtype=dtype, device=str(device), cache_dir=cache_dir)
+    bundle = load_model(profile, stage=stage)
+    bundle.model.to(device=device, dtype=dtype)
+    return bundle
+
+
+def locate_weights(
+    profile: str | Profile, *, stage: str, source: str | Path | None = None, cache_dir: str | Path | None = None
+) -> Path | None:
+    """The local checkpoint folder `load_weights` would read real weights from (None: random
+    weights, or a registered loader's own checkpoint), without loading anything; raises
+    ModelNotAvailableError when it is absent, in milliseconds."""
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    if uses_random_weights(profile, stage) or not profile.hf_id:
+        return None
+    return resolve_pretrained_source(profile, source, cache_dir)
 
 
 @dataclass(frozen=True)

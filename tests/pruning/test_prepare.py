@@ -1,12 +1,16 @@
 """Preparing DTP: the oracle's scan, MIL pooling, the distillation loss, resumable stages, and options."""
 
+import json
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import CLIPImageProcessorPil, CLIPTextConfig, CLIPTextModel, Dinov2Config, Dinov2Model
+from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
-from pruning import build_qpriv_vl, get_pruning_profile, keep_indices, load_oracle, oracle_key
+from pruning import build_qpriv_vl, get_pruning_profile, keep_indices, load_dtp, load_encoders, load_oracle, oracle_key
 from pruning.cli import main
 from pruning.prepare import (
     NO_MATCH_RATIO,
@@ -26,7 +30,9 @@ from pruning.prepare import (
     teacher_mask,
 )
 from vlm.answering import answer_questions
-from vqa import first_token_substring_match
+from vlm.mini.tokenizer import build_sample_tokenizer
+from vlm.profiles import build_llava_config, get_profile
+from vqa import first_token_substring_match, load_vqa
 
 # Small enough for seconds on the tiny profile, large enough that every stage has batches.
 TINY = PrepareSettings(
@@ -279,7 +285,10 @@ def test_an_interrupted_stage_is_not_taken_for_finished(tmp_path):
         (["--grid", "0.1", "0.1"], "--grid=(0.1, 0.1) is not allowed; allowed: each ratio once"),
         (["--dataset", "easyvqa", "nope"], "--dataset='nope' is not allowed; allowed: easyvqa, easyvqa-stamped"),
         (["--bags", "mnist", "faces"], "--bags='faces' is not allowed; allowed: celeba, cifar10"),
-        (["--profile", "tiny"], "--profile='tiny' is not allowed; allowed: mini with --model-stage vqa"),
+        (["--profile", "tiny"], "--profile='tiny' is not allowed; allowed: llava-1.5-7b, mini with --model-stage vqa"),
+        (["--model-source", "/llava"], "--model-source='/llava' is not allowed; allowed: '' (profile 'mini' at"),
+        (["--profile", "llava-1.5-7b", "--dtype", "fp8"], "--dtype='fp8' is not allowed; allowed: fp32, bf16, fp16"),
+        (["--device", "abacus"], "--device='abacus' is not allowed; allowed: a torch device"),
         (
             ["--oracle-samples", "600", "--samples", "500"],
             "--oracle-samples=600 is not allowed; allowed: 1..--samples (500)",
@@ -302,3 +311,102 @@ def test_options_are_checked_before_anything_loads(arguments, message, tmp_path,
 def test_bag_sets_with_a_single_label_are_refused():
     with pytest.raises(PrepareError, match="--bags=\\('easyvqa-stamped',\\) .*both private and public"):
         load_preparation_data(replace(TINY, bags=("easyvqa-stamped",), bag_samples=1))
+
+
+# --- LLaVA-1.5-7B from local checkpoints ---------------------------------------------------
+
+
+def save_stand_in_checkpoints(folder):
+    """Local folders standing for LLaVA-1.5-7B, CLIP ViT-L/14-336 and DINOv2-S/14, as `hf download`
+    leaves them: the widths and grids the 7B pruning profile reads (CLIP-L's 1024 at 336 px, the
+    text tower's 768, DINOv2-S's 384 at patch 14), with one or two layers so that they run in seconds."""
+    profile = get_pruning_profile("llava-1.5-7b")
+    llava = profile.model
+    tokenizer = build_sample_tokenizer(load_vqa("easyvqa-stamped", "train", limit=200))
+    stand_in = replace(
+        llava,
+        vision={**llava.vision, "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 2},
+        text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=1024),
+        sl_cut=None,
+        usl_cuts=None,
+    )
+    config = build_llava_config(
+        stand_in, vocab_size=len(tokenizer), image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": llava.image_size}, crop_size={"height": llava.image_size, "width": llava.image_size}
+    )
+    text = CLIPTextConfig(
+        **{**profile.text, "num_hidden_layers": 1, "intermediate_size": 64}, vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlavaForConditionalGeneration(config).save_pretrained(folder / "llava")
+        CLIPTextModel(text).save_pretrained(folder / "clip")
+        Dinov2Model(Dinov2Config(**{**profile.dino, "num_hidden_layers": 1})).save_pretrained(folder / "dino")
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=llava.patch_size).save_pretrained(
+        folder / "llava"
+    )
+    tokenizer.save_pretrained(folder / "clip")
+    return {name: str(folder / name) for name in ("llava", "clip", "dino")}
+
+
+LLAVA_SMALL_RUN = [
+    "--profile", "llava-1.5-7b", "--samples", "8", "--oracle-samples", "4", "--eval-oracle-samples", "2",
+    "--bag-samples", "16", "--sensitivity-epochs", "1", "--threshold-epochs", "1", "--student-epochs", "1",
+    "--batch-size", "4", "--quiet",
+]
+
+
+def test_prepare_runs_for_llava_15_7b_from_local_checkpoints(tmp_path, capsys):
+    sources = save_stand_in_checkpoints(tmp_path)
+    out = tmp_path / "dtp"
+    main(["prepare", "--out", str(out), *LLAVA_SMALL_RUN, "--model-source", sources["llava"],
+          "--text-source", sources["clip"], "--dino-source", sources["dino"]])
+    assert "artefacts and report in" in capsys.readouterr().out
+    report = json.loads((out / "prepare.json").read_text())
+    assert report["settings"]["profile"] == "llava-1.5-7b"
+    assert report["data"]["oracle_samples"] == 4
+    profile = get_pruning_profile("llava-1.5-7b")
+    # The artefacts belong to the real encoders the sources hold (their fingerprint), on the 7B grids.
+    encoders = load_encoders(
+        profile, tokenizer=None, random_weights=False, text_source=sources["clip"], dino_source=sources["dino"]
+    )
+    module = load_dtp(out, profile, encoders, alpha=1.0, beta=1.0)
+    _, ratios = load_oracle(out, profile, encoders, alpha=1.0, beta=1.0)
+    assert len(ratios) == 6
+    vision = torch.zeros(1, profile.num_patches, profile.vision_hidden_size)
+    question = encoders.encode_questions(["what shape is in the image?"])
+    dino = torch.zeros(1, profile.dino_grid**2, profile.dino_hidden_size)
+    assert module(vision, question, dino).score.shape == (1, 576)
+
+
+def test_prepare_without_the_real_weights_fails_before_any_data_loads(tmp_path, monkeypatch, capsys):
+    sources = save_stand_in_checkpoints(tmp_path)
+
+    def no_data(settings):
+        raise AssertionError("the data loaded before the weights were checked")
+
+    monkeypatch.setattr("pruning.prepare.load_preparation_data", no_data)
+    for given, missing, hub_id in (
+        ([], "profile 'llava-1.5-7b'", "llava-hf/llava-1.5-7b-hf"),
+        (["--model-source", sources["llava"]], "the CLIP text tower", "openai/clip-vit-large-patch14-336"),
+        (["--model-source", sources["llava"], "--text-source", sources["clip"]], "DINOv2", "facebook/dinov2-small"),
+    ):
+        absent = {"--model-source": tmp_path / "no-llava", "--text-source": tmp_path / "no-clip",
+                  "--dino-source": tmp_path / "no-dino"}
+        absent.update(dict(zip(given[::2], given[1::2])))
+        started = time.perf_counter()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["prepare", "--out", str(tmp_path / "out"), *LLAVA_SMALL_RUN,
+                  *(item for option, path in absent.items() for item in (option, str(path)))])
+        assert time.perf_counter() - started < 1.0
+        assert exit_info.value.code == 1
+        message = capsys.readouterr().err
+        assert f"weights for {missing}" in message
+        assert f"hf download {hub_id} --local-dir DIR" in message
+        assert "--model-source DIR (LLaVA), --text-source DIR (CLIP), --dino-source DIR (DINOv2)" in message
+    assert not (tmp_path / "out").exists()

@@ -1,12 +1,14 @@
 import pickle
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
 from vlm import loading
 from vlm.cuts import split_layers
@@ -15,12 +17,16 @@ from vlm.loading import (
     ModelNotAvailableError,
     build_model_on_meta,
     build_random_model,
+    clip_image_preprocessor,
     count_parameters,
     load_model,
+    load_weights,
+    locate_weights,
     register_loader,
     resolve_pretrained_source,
 )
-from vlm.profiles import TINY, Profile, get_profile
+from vlm.mini.tokenizer import build_word_tokenizer
+from vlm.profiles import TINY, Profile, build_llava_config, get_profile
 
 LLAVA_7B = get_profile("llava-1.5-7b")
 DOWNLOAD_HINT = "hf download llava-hf/llava-1.5-7b-hf --local-dir DIR"
@@ -166,3 +172,51 @@ def test_bundle_pickles_for_remote_workers():
     bundle = pickle.loads(pickle.dumps(load_model("tiny", seed=0)))
     assert bundle.profile == TINY
     assert bundle.preprocess_images([Image.new("RGB", (8, 8))]).shape == (1, 3, TINY.image_size, TINY.image_size)
+
+
+TOKEN_IDS = {"vocab_size": 40, "image_token_id": 4, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize(("profile", "stage"), [("tiny", "base"), ("tiny", "vqa"), ("mini", "random")])
+def test_random_weights_are_the_seeded_model_at_the_given_token_ids(profile, stage):
+    bundle = load_weights(profile, stage=stage, seed=3, random_token_ids=TOKEN_IDS)
+    assert bundle.tokenizer is None and bundle.profile.name == profile
+    expected = build_random_model(get_profile(profile), seed=3, **TOKEN_IDS).state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in bundle.model.state_dict().items())
+    assert locate_weights(profile, stage=stage) is None
+
+
+def _llava_folder(folder: Path) -> Path:
+    """A local checkpoint folder as `hf download llava-hf/llava-1.5-7b-hf` leaves it, at the tiny sizes."""
+    tokenizer = build_word_tokenizer(["what shape is this ?"])
+    stand_in = replace(LLAVA_7B, vision=TINY.vision, text=TINY.text, image_size=TINY.image_size,
+                       patch_size=TINY.patch_size, vision_feature_layer=TINY.vision_feature_layer,
+                       sl_cut=None, usl_cuts=None, k_min=None)
+    config = build_llava_config(stand_in, vocab_size=len(tokenizer), image_token_id=4, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlavaForConditionalGeneration(config).save_pretrained(folder)
+    image_processor = clip_image_preprocessor(TINY.image_size).image_processor
+    LlavaProcessor(image_processor, tokenizer, patch_size=TINY.patch_size).save_pretrained(folder)
+    return folder
+
+
+def test_real_weights_load_from_a_local_folder_in_the_asked_dtype(tmp_path):
+    folder = _llava_folder(tmp_path / "llava")
+    assert locate_weights("llava-1.5-7b", stage="vqa", source=folder) == folder
+    bundle = load_weights("llava-1.5-7b", stage="vqa", source=folder, dtype=torch.bfloat16)
+    assert bundle.profile == LLAVA_7B and bundle.tokenizer is not None
+    saved = LlavaForConditionalGeneration.from_pretrained(folder).state_dict()
+    loaded = bundle.model.state_dict()
+    assert all(value.dtype == torch.bfloat16 for value in loaded.values())
+    assert all(torch.equal(value, saved[name].to(torch.bfloat16)) for name, value in loaded.items())
+    pixel_values = bundle.preprocess_images([Image.new("RGB", (40, 40))])
+    assert pixel_values.shape == (1, 3, TINY.image_size, TINY.image_size)
+
+
+def test_absent_real_weights_are_found_missing_without_loading_anything(tmp_path):
+    started = time.perf_counter()
+    for find in (locate_weights, load_weights):
+        with pytest.raises(ModelNotAvailableError, match=DOWNLOAD_HINT):
+            find("llava-1.5-7b", stage="vqa", source=tmp_path / "absent")
+    assert time.perf_counter() - started < 1.0
