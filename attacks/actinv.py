@@ -29,6 +29,7 @@ from attacks.knowledge import split_packed
 from attacks.metrics import text_metrics
 from attacks.observations import VisualSpans, pruned
 from attacks.recording import Recording
+from training import protocol
 from vlm.segments import (
     llava_parts,
     project_visual_features,
@@ -187,9 +188,9 @@ class ActInv(Attack):
         for entry in tqdm(entries, desc="ActInv transfers", disable=not o.progress):
             tensors = recording.tensors(entry)
             samples = truth.samples(entry) if truth is not None else None
-            sample_rows = split_packed(tensors["rows"], tensors["lengths"])
+            sample_rows = split_packed(tensors[protocol.ROWS], tensors[protocol.LENGTHS])
             visual = [k.num_patches if spans is None else spans.count(rows) for rows in sample_rows]
-            inverted = self.invert(tensors["rows"], tensors["lengths"], visual)
+            inverted = self.invert(tensors[protocol.ROWS], tensors[protocol.LENGTHS], visual)
             for index, (ids, count) in enumerate(zip(inverted, visual, strict=True)):
                 recovered.append(torch.cat([ids[:prefix], ids[prefix + count :]]).tolist())
                 # The question follows the visual rows; its length is the attacker's to guess, so

@@ -36,15 +36,8 @@ from tqdm.auto import tqdm
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed
 from attacks.metrics import label_accuracy, token_precision_recall
-from attacks.recording import (
-    ADAPTER_UPDATE,
-    FIRST_CUT_ACTIVATION,
-    GLOBAL_ADAPTERS,
-    SECOND_CUT_ACTIVATION,
-    SECOND_CUT_GRADIENT,
-    MissingObservationError,
-    Recording,
-)
+from attacks.recording import MissingObservationError, Recording
+from training import protocol
 from vlm.lora import decoder_layer_index
 from vlm.segments import llava_parts, run_decoder_layers
 from vqa import VQASample
@@ -177,32 +170,32 @@ class IDLG(Attack):
 
     # -- the attack on a recording ----------------------------------------------------------------
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
-        if recording.config.get("paradigm") == "sl" or recording.select(FIRST_CUT_ACTIVATION["sl"]):
+        if recording.config.get("paradigm") == "sl" or recording.select(protocol.ACTIVATION_AT_C.name):
             raise MissingObservationError(
                 "iDLG recovers labels the server does not have; in SL the answers reach the server in clear "
                 "(its loss is server-side), so there is nothing to recover: use a USL or FL recording"
             )
-        if recording.select(ADAPTER_UPDATE):
+        if recording.select(protocol.ADAPTER_UPDATE.name):
             return self._run_fl(recording, truth)
         return self._run_cut(recording, truth)
 
     def _run_cut(self, recording: Recording, truth: Truth | None) -> AttackResult:
         k, o = self.knowledge, self.options
-        grads = recording.require(SECOND_CUT_GRADIENT, attack=self.name)
+        grads = recording.require(protocol.GRADIENT_AT_CB.name, attack=self.name)
         recovered, matched, original = [], [], []
         for entry in tqdm(grads, desc="iDLG", disable=not o.progress):
-            sent = recording.partner(entry, SECOND_CUT_ACTIVATION, "down")
-            first = recording.partner(entry, FIRST_CUT_ACTIVATION["usl"])
+            sent = recording.partner(entry, protocol.ACTIVATION_AT_CB.name, "down")
+            first = recording.partner(entry, protocol.ACTIVATION_AT_CA.name)
             if sent is None or first is None:
                 raise MissingObservationError(
                     f"iDLG on the gradient at CB (transfer {entry.seq}) needs the rows the server sent to the tail "
-                    f"({SECOND_CUT_ACTIVATION!r}, direction 'down', recorded by the strategy with "
-                    f"Recorder.record(..., direction='down')) and the same step's {FIRST_CUT_ACTIVATION['usl']!r} "
+                    f"({protocol.ACTIVATION_AT_CB.name!r}, direction 'down', recorded by the strategy with "
+                    f"Recorder.record(..., direction='down')) and the same step's {protocol.ACTIVATION_AT_CA.name!r} "
                     "(for the samples' lengths)"
                 )
-            lengths = recording.tensors(first)["lengths"]
-            rows = split_packed(recording.tensors(sent)["rows"], lengths)
-            gradients = split_packed(recording.tensors(entry)["grad"], lengths)
+            lengths = recording.tensors(first)[protocol.LENGTHS]
+            rows = split_packed(recording.tensors(sent)[protocol.ROWS], lengths)
+            gradients = split_packed(recording.tensors(entry)[protocol.GRAD], lengths)
             samples = truth.samples(entry) if truth is not None else None
             for index, (h, g) in enumerate(zip(rows, gradients, strict=True)):
                 labels, _ = self.labels_from_cut_gradient(h, g)
@@ -211,7 +204,7 @@ class IDLG(Attack):
                     matched.append(self.labels_by_matching(h, g, max(1, len(labels))))
                 if samples is not None:
                     original.append(k.answer_ids(samples[index].answer).tolist())
-        result = AttackResult(self.name, details={"samples": len(recovered), "observation": SECOND_CUT_GRADIENT,
+        result = AttackResult(self.name, details={"samples": len(recovered), "observation": protocol.GRADIENT_AT_CB.name,
                                                   "recovered": [k.tokenizer.decode(r) for r in recovered[:20]]})
         if original:
             result.metrics.update(label_accuracy(recovered, original))
@@ -229,8 +222,8 @@ class IDLG(Attack):
         initial = {n: p.detach() for n, p in _adapter_state(k.model).items()}
         precision, recall, top1, ranks, count = [], [], [], [], 0
         eos = k.tokenizer.eos_token_id
-        for entry in tqdm(recording.require(ADAPTER_UPDATE, attack=self.name), desc="iDLG", disable=not o.progress):
-            sent = recording.partner(entry, GLOBAL_ADAPTERS, "down")
+        for entry in tqdm(recording.require(protocol.ADAPTER_UPDATE.name, attack=self.name), desc="iDLG", disable=not o.progress):
+            sent = recording.partner(entry, protocol.GLOBAL_ADAPTERS.name, "down")
             if sent is not None:
                 before = recording.tensors(sent)
             elif entry.round == 1:
@@ -238,7 +231,7 @@ class IDLG(Attack):
             else:
                 raise MissingObservationError(
                     f"iDLG on the FL update of round {entry.round} needs the global adapters the server sent that "
-                    f"round ({GLOBAL_ADAPTERS!r}, direction 'down'); only round 1's are known without them"
+                    f"round ({protocol.GLOBAL_ADAPTERS.name!r}, direction 'down'); only round 1's are known without them"
                 )
             scores, rank = self.label_scores_from_update(before, recording.tensors(entry))
             scores[eos] = -1  # every answer ends in EOS: it carries no information
@@ -253,7 +246,7 @@ class IDLG(Attack):
             precision.append(p)
             recall.append(r)
             top1.append(float(guess[0] in labels))
-        result = AttackResult(self.name, details={"updates": count, "observation": ADAPTER_UPDATE,
+        result = AttackResult(self.name, details={"updates": count, "observation": protocol.ADAPTER_UPDATE.name,
                                                   "label_space_ranks": ranks[:50]})
         if precision:
             result.metrics.update({

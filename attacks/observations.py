@@ -19,6 +19,7 @@ from attacks.knowledge import AttackerKnowledge, split_packed
 from attacks.marks import MarkReader, mark_readback
 from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.recording import RecordedTransfer, Recording
+from training import protocol
 from vlm.segments import (
     merge_multimodal_inputs,
     project_visual_features,
@@ -100,7 +101,7 @@ def visual_observations(
     observations = []
     for entry in recording.require(kind, attack=attack):
         tensors = recording.tensors(entry)
-        for index, rows in enumerate(split_packed(tensors["rows"], tensors["lengths"])):
+        for index, rows in enumerate(split_packed(tensors[protocol.ROWS], tensors[protocol.LENGTHS])):
             count = knowledge.num_patches if spans is None else spans.count(rows)
             if rows.shape[0] < prefix + count:
                 raise ValueError(

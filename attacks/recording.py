@@ -4,9 +4,9 @@ A recording is a folder (by default `<run folder>/recording/`):
 
 - `recording.json`: format version, the cap, and the run's flat config (paradigm,
   profile, cuts, pruning policy, ...), so an attack knows what it is looking at;
-- `index.jsonl`: one line per transfer the server received (or, when the strategy
-  names it, sent): `seq`, `round`, `client`, `kind` (the wire's name, e.g.
-  "activation at CA"), `direction` ("up": client -> server, "down": server -> client),
+- `index.jsonl`: one line per transfer the server received (or, when the protocol
+  marks it replayed, sent): `seq`, `round`, `client`, `kind` (the name of a
+  training.protocol kind, e.g. "activation at CA"), `direction` ("up": client -> server, "down": server -> client),
   `occurrence` (how many transfers of this client, kind and direction came before
   it in the same round — with the round, this locates a split client's step),
   `num_bytes` (serialised size), `tensor_bytes` (what storing it costs), `samples`, `tensors` (name -> shape, dtype), and
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from training import protocol
 from wire.wire import DIRECTIONS, Transfer
 
 FORMAT_VERSION = 1
@@ -39,13 +40,6 @@ HEADER_FILE = "recording.json"
 INDEX_FILE = "index.jsonl"
 TENSOR_FOLDER = "transfers"
 DEFAULT_MAX_BYTES = 2 * 1024**3
-
-# What the wire calls the tensors an attack reads, per paradigm (strategies/split.py, strategies/fl.py).
-FIRST_CUT_ACTIVATION = {"usl": "activation at CA", "sl": "activation at C"}
-SECOND_CUT_GRADIENT = "gradient at CB"
-SECOND_CUT_ACTIVATION = "activation at CB"  # sent down by the USL server, named so a threat model records it
-ADAPTER_UPDATE = "adapter update"
-GLOBAL_ADAPTERS = "global adapters"  # sent down by the FL server, named so a threat model records it
 
 
 class MissingObservationError(LookupError):
@@ -73,7 +67,7 @@ class RecordedTransfer:
 
 def _samples_in(tensors: Mapping[str, torch.Tensor]) -> int:
     """Samples a payload carries: one per packed length, else one."""
-    lengths = tensors.get("lengths")
+    lengths = tensors.get(protocol.LENGTHS)
     return int(lengths.numel()) if lengths is not None else 1
 
 
@@ -146,8 +140,13 @@ class Recorder:
         direction: str = "up",
         num_bytes: int | None = None,
     ) -> RecordedTransfer:
+        """File one transfer; a kind the protocol does not know, or one travelling the wrong way, is
+        refused (attacks select transfers by these names, so a stray name would go unseen)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction={direction!r}; allowed: {DIRECTIONS}")
+        known = protocol.kind(kind)
+        if known.direction != direction:
+            raise ValueError(f"transfer kind {kind!r} travels {known.direction!r} by the protocol, not {direction!r}")
         tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         samples = _samples_in(tensors)
@@ -266,12 +265,12 @@ class Recording:
         )
 
     def first_cut_kind(self, *, attack: str) -> str:
-        """The wire name of the first cut's activation for this recording's paradigm."""
+        """The name of the first cut's activation for this recording's paradigm."""
         paradigm = self.config.get("paradigm")
-        if paradigm in FIRST_CUT_ACTIVATION:
-            return FIRST_CUT_ACTIVATION[paradigm]
+        if paradigm in protocol.FIRST_CUT_ACTIVATION:
+            return protocol.FIRST_CUT_ACTIVATION[paradigm].name
         present = {e.kind for e in self.entries}
-        found = [kind for kind in FIRST_CUT_ACTIVATION.values() if kind in present]
+        found = [kind.name for kind in protocol.FIRST_CUT_ACTIVATION.values() if kind.name in present]
         if len(found) == 1:
             return found[0]
         raise MissingObservationError(

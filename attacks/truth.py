@@ -18,14 +18,10 @@ from pathlib import Path
 
 import torch
 
-from attacks.recording import (
-    ADAPTER_UPDATE,
-    FIRST_CUT_ACTIVATION,
-    SECOND_CUT_GRADIENT,
-    RecordedTransfer,
-)
+from attacks.recording import RecordedTransfer
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
+from training import protocol
 from training.batches import batch_positions
 from training.data import RunData
 from training.model import load_party_model
@@ -59,8 +55,15 @@ class StaticTruth:
         return self.marks_by_image.get(sample.image_id)
 
 
+def run_node_partitions(run_folder: Path) -> dict[int, int]:
+    """Node id -> partition id, as the server learned it at each start of the run (nodes.json)."""
+    path = run_folder / protocol.NODE_PARTITIONS_FILE
+    return {int(node): partition for node, partition in json.loads(path.read_text()).items()} if path.exists() else {}
+
+
 def recorded_node_partitions(run_folder: Path) -> dict[int, int]:
-    """Node id -> partition id, from the node ids each client store in the run folder noted."""
+    """Node id -> partition id, from the node ids each client store in the run folder noted
+    (run folders written before the server kept nodes.json)."""
     mapping = {}
     for store in sorted((run_folder / "clients").glob("partition-*")):
         partition = int(store.name.removeprefix("partition-"))
@@ -73,7 +76,7 @@ class RunTruth:
 
     Node ids are not partition ids under `flwr run`: `node_partitions` (node id ->
     partition id) says which node held which partition. `from_run_folder` reads it from
-    the clients' stores in the run folder (each notes its node ids); without either, the
+    the run folder's nodes.json (else from the node ids the clients' stores noted); without either, the
     in-process grid's numbering (node i holds partition i − 1) is assumed, and refused
     when the recorded node ids do not fit it.
     Keep sets: every patch in order for unpruned runs; otherwise the run's selector
@@ -81,7 +84,7 @@ class RunTruth:
     """
 
     # The training transfers whose batch a step's seeded order gives.
-    STEP_KINDS = (*FIRST_CUT_ACTIVATION.values(), SECOND_CUT_GRADIENT)
+    STEP_KINDS = (*(kind.name for kind in protocol.FIRST_CUT_ACTIVATION.values()), protocol.GRADIENT_AT_CB.name)
 
     def __init__(self, config: SimConfig, node_partitions: Mapping[int, int] | None = None,
                  faults: Mapping[tuple[int, int], str] | None = None) -> None:
@@ -103,7 +106,7 @@ class RunTruth:
                 for fault in record.get("faults", []):
                     faults[record["round"], int(fault["client"])] = fault["reason"][-200:]
         if node_partitions is None:
-            node_partitions = recorded_node_partitions(path) or None
+            node_partitions = run_node_partitions(path) or recorded_node_partitions(path) or None
         return cls(load_config(flat), node_partitions, faults)
 
     def partition(self, node: int) -> int:
@@ -132,7 +135,7 @@ class RunTruth:
         partition = self.partition(entry.client)
         if entry.kind in self.STEP_KINDS and entry.direction == "up":
             return self._step_samples(partition, (entry.round - 1) * steps + entry.occurrence)
-        if entry.kind == ADAPTER_UPDATE:
+        if entry.kind == protocol.ADAPTER_UPDATE.name:
             first = (entry.round - 1) * steps
             return [s for step in range(first, first + steps) for s in self._step_samples(partition, step)]
         return None

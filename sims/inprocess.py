@@ -4,11 +4,12 @@ InProcessGrid hands each message straight to the ClientApp (as a SuperNode would
 in this process) and turns a handler's exception into the error reply Flower sends
 (code 2, traceback as reason). The strategies and client apps are the same objects
 `flwr run` uses, so this isolates what Flower's runtime itself costs (benchmarks/)
-and lets tests drive real Messages without the ~10 s start-up.
+and lets tests drive real Messages without the ~10 s start-up. Node i holds partition
+i - 1 unless `node_ids` gives each partition's node id (as Flower's random ids would).
 """
 
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -19,19 +20,24 @@ from strategies.callbacks import RunFolder
 
 
 class InProcessGrid:
-    def __init__(self, client_app: ClientApp, run_config: dict, num_nodes: int) -> None:
+    def __init__(
+        self, client_app: ClientApp, run_config: dict, num_nodes: int, node_ids: Sequence[int] | None = None
+    ) -> None:
         # Messages read the run and task ids of the process that builds them.
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.client_app = client_app
+        node_ids = list(node_ids) if node_ids is not None else list(range(1, num_nodes + 1))
+        if len(node_ids) != num_nodes or len(set(node_ids)) != num_nodes:
+            raise ValueError(f"node_ids={node_ids}: need {num_nodes} distinct ids, one per partition")
         self.contexts = {
             node: Context(
                 run_id=1,
                 node_id=node,
-                node_config={"partition-id": node - 1, "num-partitions": num_nodes},
+                node_config={"partition-id": partition, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )
-            for node in range(1, num_nodes + 1)
+            for partition, node in enumerate(node_ids)
         }
 
     def get_node_ids(self) -> list[int]:

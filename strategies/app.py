@@ -16,7 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from config import SimConfig, load_config
 from strategies.adversarial import FSHAHijack, subscribe_recorder
-from strategies.base import RoundStrategy
+from strategies.base import RoundStrategy, federation_partitions
 from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, to_numpy_record
@@ -60,13 +60,16 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
         num_rounds = config.train.rounds
         callbacks = [MetricsLog(folder), Checkpointer(folder), StatusReporter(folder, num_rounds)]
         checkpoint = folder.load_checkpoint()
+        partitions = federation_partitions(grid, config)
+        folder.record_nodes(partitions)
         if config.paradigm == "fl":
             party = load_party_model(config)
             initial = owner_state_dict(party.model, party.segments[0])
             if checkpoint is not None:
                 initial = checkpoint["arrays"]
             strategy = WireFedAvg(
-                config, wire, {k: tuple(v.shape) for k, v in initial.items()}, callbacks, first_round, num_rounds
+                config, wire, {k: tuple(v.shape) for k, v in initial.items()}, partitions, callbacks, first_round,
+                num_rounds,
             )
             if first_round <= num_rounds:
                 strategy.start(
@@ -81,7 +84,7 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
             strategy = build_round_strategy(config, wire, callbacks, folder, resuming=checkpoint is not None)
             if checkpoint is not None:
                 strategy.load_state_dict(checkpoint)
-            strategy.run(grid, first_round, num_rounds)
+            strategy.run(grid, list(partitions), first_round, num_rounds)
         folder.write_status(
             "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started
         )

@@ -10,9 +10,10 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
@@ -53,9 +54,9 @@ class RoundStrategy(ABC):
         """Restore what state_dict returned (nothing for a stateless server)."""
 
     # -- the loop ------------------------------------------------------------------------
-    def run(self, grid: Grid, first_round: int, num_rounds: int) -> list[dict[str, Any]]:
+    def run(self, grid: Grid, nodes: Sequence[int], first_round: int, num_rounds: int) -> list[dict[str, Any]]:
+        """Rounds `first_round`..`num_rounds` with `nodes` in turn order (federation_partitions)."""
         records = []
-        nodes = wait_for_nodes(grid, self.config.clients.count, self.config.faults.timeout_s, exact=self.config.paradigm != "cl")
         for round_ in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             record = self.train_round(grid, round_, nodes)
@@ -80,24 +81,22 @@ class RoundStrategy(ABC):
 
     # -- one exchange with one client ------------------------------------------------------
     def exchange(
-        self,
-        grid: Grid,
-        node: int,
-        round_: int,
-        message_type: str,
-        config: dict[str, Any],
-        tensors: dict | None = None,
-        *,
-        kind: str | None = None,
+        self, grid: Grid, node: int, round_: int, message_type: str, config: dict[str, Any], tensors: dict | None = None
     ) -> RecordDict:
         """Send one message and wait for its reply: one round trip, counted and timed out.
 
-        `kind` names the tensors for the wire's observers of what is sent (Wire.sent).
+        `tensors` are the payload the protocol says `message_type` carries (protocol.CARRIES);
+        a replayed payload is shown to the wire's observers of what is sent.
         """
         content = RecordDict({protocol.CONFIG: ConfigRecord({"round": round_, **config})})
-        if tensors is not None:
+        carried = protocol.CARRIES.get(message_type)
+        if tensors is not None or carried is not None:
+            names = set(tensors or {})
+            if carried is None or names != carried.tensor_names:
+                wanted = sorted(carried.tensor_names) if carried else "no tensors"
+                raise ValueError(f"{message_type} carries {wanted} by the protocol, not {sorted(names)}")
             content[protocol.TENSORS] = self.wire.encode(tensors)
-        self.wire.sent(round_, node, content, kind=kind)
+        self.wire.sent(round_, node, content, kind=carried.name if carried is not None and carried.replayed else None)
         message = Message(content=content, message_type=message_type, dst_node_id=node)
         replies = list(grid.send_and_receive([message], timeout=self.config.faults.timeout_s))
         self.round_trips[round_, message_type.split(".")[0]] += 1
@@ -107,6 +106,19 @@ class RoundStrategy(ABC):
         if reply.has_error():
             raise ClientFault(f"{message_type} raised on the client: {reply.error.reason.strip()}")
         return reply.content
+
+    def receive(
+        self,
+        round_: int,
+        node: int,
+        kind: protocol.TransferKind,
+        content: RecordDict,
+        *,
+        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        **sizes: int,
+    ) -> dict[str, torch.Tensor]:
+        """A client's reply of `kind`, counted, checked against the protocol and shown to the observers."""
+        return self.wire.received(round_, node, kind.name, content, kind.expectation(**sizes), check=check)
 
     def record_fault(self, round_: int, node: int, phase: str, error: Exception, consequence: str) -> None:
         reason = str(error)
@@ -128,11 +140,11 @@ def pruning_record(content: RecordDict) -> PruningRecord:
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = True) -> list[int]:
-    """The federation's node ids, sorted (the SL/USL turn order); fails if they are not `count`
-    (with `exact=False`, fewer than `count`: CL's one trainer is the first node, the rest idle)."""
+    """The federation's node ids; fails if they are not `count` (with `exact=False`, fewer
+    than `count`: CL's one trainer is picked from them, the rest idle)."""
     deadline = time.monotonic() + min(timeout_s, 120.0)
     while True:
-        nodes = sorted(grid.get_node_ids())
+        nodes = list(grid.get_node_ids())
         if len(nodes) >= count or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -141,4 +153,32 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = Tr
             f"the federation has {len(nodes)} nodes but clients.count={count}; run with "
             f"--federation-config 'num-supernodes={count}' (simulation) or start {count} SuperNodes"
         )
-    return nodes[:count]
+    return nodes
+
+
+def federation_partitions(grid: Grid, config: SimConfig) -> dict[int, int]:
+    """Node id -> partition id of the run's `clients.count` nodes, in partition order.
+
+    Flower gives nodes random ids on every start; asking each node its partition makes
+    the turn order, CL's trainer and FL's sampling and averaging the same whichever
+    runtime runs the config, and on resume.
+    """
+    count, timeout = config.clients.count, config.faults.timeout_s
+    nodes = wait_for_nodes(grid, count, timeout, exact=config.paradigm != "cl")
+    queries = [
+        Message(content=RecordDict(), message_type=protocol.PARTITION_QUERY, dst_node_id=node) for node in nodes
+    ]
+    replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(queries, timeout=timeout)}
+    partitions = {}
+    for node in nodes:
+        reply = replies.get(node)
+        if reply is None or reply.has_error():
+            reason = reply.error.reason.strip() if reply is not None else f"no reply within faults.timeout_s={timeout}s"
+            raise RuntimeError(f"node {node} did not say its partition ({protocol.PARTITION_QUERY}): {reason}")
+        partitions[node] = int(reply.content.metric_records[protocol.METRICS][protocol.PARTITION_ID])
+    ordered = sorted(partitions.items(), key=lambda item: (item[1], item[0]))[:count]
+    held = [partition for _, partition in ordered]
+    if len(set(held)) != len(held):
+        raise RuntimeError(f"two nodes hold the same partition (node -> partition: {dict(ordered)}); "
+                           "give every SuperNode its own partition-id")
+    return dict(ordered)

@@ -2,9 +2,10 @@
 
 A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one line
 per round), `checkpoints/` (the server's state after each round), `committed.json`
-(the last round whose checkpoint is complete) and `status.json` (running, finished
-or failed with the reason; and the server's threat model) — the truth that
-`flwr run --stream`'s exit code is not.
+(the last round whose checkpoint is complete), `nodes.json` (node id -> partition id
+of every node that served the run: Flower's node ids change with each start, and a
+recording names nodes) and `status.json` (running, finished or failed with the reason;
+and the server's threat model) — the truth that `flwr run --stream`'s exit code is not.
 """
 
 import json
@@ -12,11 +13,13 @@ import os
 import time
 import traceback
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from config import SimConfig
+from training.protocol import NODE_PARTITIONS_FILE
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -65,6 +68,13 @@ class RunFolder:
     def load_checkpoint(self) -> dict[str, Any] | None:
         committed = self.committed_round()
         return torch.load(self.checkpoint_path(committed), weights_only=True) if committed else None
+
+    def record_nodes(self, partitions: Mapping[int, int]) -> None:
+        """Add this start's node -> partition map to `nodes.json`; a resumed run keeps the earlier
+        starts' nodes, whose transfers its recording still holds."""
+        path = self.path / NODE_PARTITIONS_FILE
+        known = json.loads(path.read_text()) if path.exists() and self.committed_round() else {}
+        _write_json(path, {**known, **{str(node): partition for node, partition in partitions.items()}})
 
     def write_status(self, state: str, **details: Any) -> None:
         status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model, **details}

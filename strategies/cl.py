@@ -14,8 +14,9 @@ from training import protocol
 
 class CLStrategy(RoundStrategy):
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
+        # `nodes` holds the node of the lowest partition (strategies.base.federation_partitions).
         reply = self.exchange(grid, nodes[0], round_, protocol.CL_TRAIN, {"committed-round": round_ - 1})
-        self.wire.received(round_, nodes[0], "training report", reply, {})  # counted: metrics only
+        self.receive(round_, nodes[0], protocol.TRAINING_REPORT, reply)  # counted: metrics only
         metrics = reply.metric_records[protocol.METRICS]
         return {
             "train_loss": metrics["loss"],
@@ -25,6 +26,6 @@ class CLStrategy(RoundStrategy):
 
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         reply = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {})
-        self.wire.received(round_, nodes[0], "evaluation score", reply, {})
+        self.receive(round_, nodes[0], protocol.EVALUATION_SCORE, reply)
         metrics = reply.metric_records[protocol.METRICS]
         return {"test_accuracy": metrics["correct"] / max(metrics["count"], 1.0), "test_count": metrics["count"]}

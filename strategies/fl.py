@@ -5,10 +5,15 @@ policy, byte ledger, observers — iDLG-style attacks see exactly the updates th
 server received), a reply that is an error, arrives late or fails the wire's checks
 is reported and left out while the rest are averaged, and each round ends in the
 run's callbacks. Rounds are numbered from the checkpoint a run resumed from.
+
+Flower samples and orders by its random node ids; here the clients of a round are
+drawn from the partitions with the run's seed and averaged in partition order, so the
+same config gives the same weights under any runtime and after a resume.
 """
 
+import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,22 +40,20 @@ class WireFedAvg(FedAvg):
         config: SimConfig,
         wire: Wire,
         global_shapes: dict[str, tuple[int, ...]],
+        partitions: Mapping[int, int],
         callbacks: Sequence[RunCallback] = (),
         first_round: int = 1,
         num_rounds: int = 1,
     ) -> None:
-        count = config.clients.count
-        sampled = max(1, int(count * config.clients.fraction_train))
         super().__init__(
             fraction_train=config.clients.fraction_train,
             fraction_evaluate=1.0,
-            min_train_nodes=sampled,
-            min_evaluate_nodes=count,
-            min_available_nodes=count,
             arrayrecord_key=protocol.ARRAYS,
             configrecord_key=protocol.CONFIG,
         )
         self.config, self.wire, self.callbacks = config, wire, list(callbacks)
+        # Node id -> partition id, in partition order (strategies.base.federation_partitions).
+        self.partitions = dict(partitions)
         self.global_shapes = global_shapes
         self.offset = first_round - 1
         self.num_rounds = num_rounds
@@ -65,34 +68,35 @@ class WireFedAvg(FedAvg):
     def round_of(self, server_round: int) -> int:
         return server_round + self.offset
 
-    def _through_wire(self, messages: Iterable[Message], round_: int, kind: str | None = None) -> list[Message]:
-        """FedAvg's messages with the adapters re-encoded under the wire's dtype policy
-        (named `kind` for the wire's observers of what is sent)."""
-        out = []
-        for message in messages:
-            content = message.content
-            tensors = {k: torch.from_numpy(a.numpy()) for k, a in content.array_records[protocol.ARRAYS].items()}
-            config = ConfigRecord(dict(content.config_records[protocol.CONFIG]))
-            config["round"] = round_
-            encoded = RecordDict({protocol.ARRAYS: self.wire.encode(tensors), protocol.CONFIG: config})
-            self.wire.sent(round_, message.metadata.dst_node_id, encoded, kind=kind, record_key=protocol.ARRAYS)
-            out.append(Message(content=encoded, message_type=message.metadata.message_type,
-                               dst_node_id=message.metadata.dst_node_id))
-        return out
+    def sampled_nodes(self, round_: int) -> list[int]:
+        """The round's trainers: `fraction_train` of the partitions (at least one), drawn from
+        the run's seed and the round, in partition order."""
+        nodes = list(self.partitions)
+        size = max(1, int(len(nodes) * self.fraction_train))
+        chosen = random.Random(f"fl-sample:{self.config.model.seed}:{round_}").sample(range(len(nodes)), size)
+        return [nodes[i] for i in sorted(chosen)]
+
+    def _send(self, arrays: ArrayRecord, nodes: list[int], message_type: str, round_: int) -> list[Message]:
+        """One message per node with the adapters encoded under the wire's dtype policy."""
+        kind = protocol.CARRIES[message_type]
+        tensors = {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()}
+        content = RecordDict({protocol.ARRAYS: self.wire.encode(tensors), protocol.CONFIG: ConfigRecord({"round": round_})})
+        for node in nodes:
+            self.wire.sent(round_, node, content, kind=kind.name if kind.replayed else None, record_key=protocol.ARRAYS)
+        self.sent_to = list(nodes)
+        return [Message(content=content, message_type=message_type, dst_node_id=node) for node in nodes]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.started = time.perf_counter()
         self.record, self.faults = {}, []
         self.pruned = PruningRecord(num_patches=self.num_patches)
-        messages = self._through_wire(
-            super().configure_train(server_round, arrays, config, grid), self.round_of(server_round), "global adapters"
-        )
-        self.sent_to = [m.metadata.dst_node_id for m in messages]
-        return messages
+        round_ = self.round_of(server_round)
+        return self._send(arrays, self.sampled_nodes(round_), protocol.FL_TRAIN, round_)
 
     def _screen(self, replies: Iterable[Message], round_: int, phase: str, decode: bool) -> list[Message]:
-        """Replies that may be folded in; the rest are reported with their reason."""
-        replies = list(replies)
+        """Replies that may be folded in, in partition order (the average's summation order);
+        the rest are reported with their reason."""
+        replies = sorted(replies, key=lambda reply: self.partitions[reply.metadata.src_node_id])
         answered = {reply.metadata.src_node_id for reply in replies}
         for node in self.sent_to:
             if node not in answered:
@@ -106,10 +110,10 @@ class WireFedAvg(FedAvg):
             if not decode:
                 kept.append(reply)
                 continue
-            expected = {k: (shape, "float") for k, shape in self.global_shapes.items()}
+            expected = protocol.ADAPTER_UPDATE.expectation(adapter_shapes=self.global_shapes)
             try:
                 tensors = self.wire.received(
-                    round_, node, "adapter update", reply.content, expected, record_key=protocol.ARRAYS
+                    round_, node, protocol.ADAPTER_UPDATE.name, reply.content, expected, record_key=protocol.ARRAYS
                 )
                 reported = reply.content.metric_records[protocol.METRICS]
                 metrics = MetricRecord({key: reported[key] for key in ("num-examples", "loss")})
@@ -144,9 +148,7 @@ class WireFedAvg(FedAvg):
         if every == 0 or (round_ % every and round_ != self.num_rounds):
             self.sent_to = []
             return []
-        messages = self._through_wire(super().configure_evaluate(server_round, arrays, config, grid), round_)
-        self.sent_to = [m.metadata.dst_node_id for m in messages]
-        return messages
+        return self._send(arrays, list(self.partitions), protocol.FL_EVALUATE, round_)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]):
         round_ = self.round_of(server_round)

@@ -77,25 +77,21 @@ class SplitStrategy(RoundStrategy):
             self.hijack.load_state_dict(state["hijack"])
 
     # -- the received activation -------------------------------------------------------------
-    def activation_expectation(self, training: bool) -> dict:
-        """The tensors of a client's activation message (evaluation and training may differ)."""
-        return {"rows": ((None, self.hidden_size), "float"), "lengths": ((None,), "index")}
-
     def receive_activation(
-        self, round_: int, node: int, kind: str, content: RecordDict, *, training: bool = True
+        self, round_: int, node: int, kind: protocol.TransferKind, content: RecordDict
     ) -> dict[str, torch.Tensor]:
         """The client's packed activation, checked for consistency before anyone sees it."""
 
         def consistent(tensors: dict[str, torch.Tensor]) -> None:
-            lengths = tensors["lengths"]
-            if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != tensors["rows"].shape[0]:
+            lengths, rows = tensors[protocol.LENGTHS], tensors[protocol.ROWS]
+            if lengths.numel() == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != rows.shape[0]:
                 raise WireError(
-                    f"{kind} from client {node}: {tensors['rows'].shape[0]} rows do not match the per-sample "
+                    f"{kind.name} from client {node}: {rows.shape[0]} rows do not match the per-sample "
                     f"lengths {lengths.tolist()}"
                 )
             self.check_extra(tensors, node)
 
-        return self.wire.received(round_, node, kind, content, self.activation_expectation(training), check=consistent)
+        return self.receive(round_, node, kind, content, check=consistent, hidden=self.hidden_size)
 
     def check_extra(self, tensors: dict[str, torch.Tensor], node: int) -> None:
         """Checks of what a paradigm adds to the activation (SL: the answers)."""
@@ -138,7 +134,7 @@ class SplitStrategy(RoundStrategy):
                 losses.append(loss)
                 tokens += step_tokens
                 done += 1
-            self.wire.received(round_, node, "end of turn", reply, {})
+            self.receive(round_, node, protocol.END_OF_TURN, reply)
         except FAULTS as error:
             self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
         return done, losses, pruned, tokens
@@ -157,7 +153,7 @@ class SplitStrategy(RoundStrategy):
         neither and returns the hijack's.
         """
         if self.hijack is not None:
-            return self.hijack.first_cut_gradient(received["rows"], received["lengths"])
+            return self.hijack.first_cut_gradient(received[protocol.ROWS], received[protocol.LENGTHS])
         self.optimizer.zero_grad(set_to_none=True)
         outputs.backward(grad_outputs)
         self.optimizer.step()
@@ -174,7 +170,7 @@ class SplitStrategy(RoundStrategy):
                     batches = int(reply.metric_records[protocol.METRICS]["eval-batches"])
                     while "count" not in reply.metric_records[protocol.METRICS]:
                         reply = self.eval_step(grid, node, round_, reply)
-                    self.wire.received(round_, node, "evaluation score", reply, {})
+                    self.receive(round_, node, protocol.EVALUATION_SCORE, reply)
                     correct += reply.metric_records[protocol.METRICS]["correct"]
                     count += reply.metric_records[protocol.METRICS]["count"]
                     batch += 1
@@ -193,32 +189,30 @@ class USLStrategy(SplitStrategy):
     owner = "body"
 
     def body(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.compute_rows(tensors["rows"]).requires_grad_()
-        hidden, mask, positions = unpack_rows(rows, tensors["lengths"])
+        rows = self.compute_rows(tensors[protocol.ROWS]).requires_grad_()
+        hidden, mask, positions = unpack_rows(rows, tensors[protocol.LENGTHS])
         out = run_decoder_layers(
             self.party.model, hidden, mask, positions, self.segment.start, self.segment.stop
         )
         return rows, pack_rows(out, mask)[0]
 
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
-        received = self.receive_activation(round_, node, "activation at CA", reply)
+        received = self.receive_activation(round_, node, protocol.ACTIVATION_AT_CA, reply)
         rows_in, rows_out = self.body(received)
-        tail_reply = self.exchange(
-            grid, node, round_, protocol.USL_TAIL, {}, {"rows": rows_out}, kind="activation at CB"
-        )
-        grad_cb = self.wire.received(
-            round_, node, "gradient at CB", tail_reply, {"grad": (tuple(rows_out.shape), "float")}
-        )["grad"]
+        tail_reply = self.exchange(grid, node, round_, protocol.USL_TAIL, {}, {protocol.ROWS: rows_out})
+        grad_cb = self.receive(
+            round_, node, protocol.GRADIENT_AT_CB, tail_reply, rows=rows_out.shape[0], hidden=self.hidden_size
+        )[protocol.GRAD]
         grad_ca = self.first_cut_gradient(received, rows_in, rows_out, self.compute_rows(grad_cb))
         loss = float(tail_reply.metric_records[protocol.METRICS]["loss"])
-        next_reply = self.exchange(grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {"grad": grad_ca})
-        return next_reply, loss, received["rows"].shape[0]
+        next_reply = self.exchange(grid, node, round_, protocol.USL_HEAD, {"go-on": go_on}, {protocol.GRAD: grad_ca})
+        return next_reply, loss, received[protocol.ROWS].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
-        received = self.receive_activation(round_, node, "evaluation activation at CA", reply, training=False)
+        received = self.receive_activation(round_, node, protocol.EVAL_ACTIVATION_AT_CA, reply)
         with torch.no_grad():
             _, rows_out = self.body(received)
-        return self.exchange(grid, node, round_, protocol.USL_EVAL_TAIL, {}, {"rows": rows_out})
+        return self.exchange(grid, node, round_, protocol.USL_EVAL_TAIL, {}, {protocol.ROWS: rows_out})
 
 
 class SLStrategy(SplitStrategy):
@@ -226,48 +220,42 @@ class SLStrategy(SplitStrategy):
 
     owner = "server"
 
-    def activation_expectation(self, training: bool) -> dict:
-        # SL's labels live on the server: training activations bring the answer tokens along.
-        expected = super().activation_expectation(training)
-        if training:
-            expected.update(answers=((None,), "index"), answer_lengths=((None,), "index"))
-        return expected
-
     def check_extra(self, tensors: dict[str, torch.Tensor], node: int) -> None:
-        if "answers" not in tensors:  # evaluation carries no answers
+        # SL's labels live on the server: training activations bring the answer tokens along.
+        if protocol.ANSWERS not in tensors:  # evaluation carries no answers
             return
-        answer_lengths, lengths = tensors["answer_lengths"], tensors["lengths"]
+        answer_lengths, lengths = tensors[protocol.ANSWER_LENGTHS], tensors[protocol.LENGTHS]
         if (
             answer_lengths.numel() != lengths.numel()
             or bool((answer_lengths < 1).any() | (answer_lengths > lengths).any())
-            or int(answer_lengths.sum()) != tensors["answers"].numel()
+            or int(answer_lengths.sum()) != tensors[protocol.ANSWERS].numel()
         ):
             raise WireError(f"answers from client {node} do not fit the samples' lengths")
 
     def logits(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, mask, positions = unpack_rows(rows, tensors["lengths"])
+        hidden, mask, positions = unpack_rows(rows, tensors[protocol.LENGTHS])
         logits = run_decoder_layers(
             self.party.model, hidden, mask, positions, self.segment.start, self.segment.stop, apply_head=True
         )
         return logits, mask
 
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:
-        received = self.receive_activation(round_, node, "activation at C", reply)
-        answer_lengths = received["answer_lengths"].to(torch.long)
-        rows = self.compute_rows(received["rows"]).requires_grad_()
+        received = self.receive_activation(round_, node, protocol.ACTIVATION_AT_C, reply)
+        answer_lengths = received[protocol.ANSWER_LENGTHS].to(torch.long)
+        rows = self.compute_rows(received[protocol.ROWS]).requires_grad_()
         logits, mask = self.logits(received, rows)
         # Left padding puts every sample's answer (and its end token) in its last positions.
         labels = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long, device=logits.device)
-        for sample, answer in enumerate(torch.split(received["answers"].to(torch.long), answer_lengths.tolist())):
+        for sample, answer in enumerate(torch.split(received[protocol.ANSWERS].to(torch.long), answer_lengths.tolist())):
             labels[sample, labels.shape[1] - answer.numel() :] = answer
         loss = next_token_loss(logits, labels)
         grad = self.first_cut_gradient(received, rows, loss, None)
-        next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {"grad": grad})
-        return next_reply, loss.detach().item(), received["rows"].shape[0]
+        next_reply = self.exchange(grid, node, round_, protocol.SL_BACKWARD, {"go-on": go_on}, {protocol.GRAD: grad})
+        return next_reply, loss.detach().item(), received[protocol.ROWS].shape[0]
 
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:
-        received = self.receive_activation(round_, node, "evaluation activation at C", reply, training=False)
+        received = self.receive_activation(round_, node, protocol.EVAL_ACTIVATION_AT_C, reply)
         with torch.no_grad():
-            logits, _ = self.logits(received, self.compute_rows(received["rows"]))
+            logits, _ = self.logits(received, self.compute_rows(received[protocol.ROWS]))
         tokens = logits[:, -1].argmax(-1)
-        return self.exchange(grid, node, round_, protocol.SL_EVAL_NEXT, {}, {"tokens": tokens})
+        return self.exchange(grid, node, round_, protocol.SL_EVAL_NEXT, {}, {protocol.TOKENS: tokens})

@@ -11,3 +11,80 @@ def single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _tensors_of(state, prefix=""):
+    """A nested state (dicts, lists, tensors, numbers) flattened to path -> value."""
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in _tensors_of(value, f"{prefix}{key}/").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _tensors_of(value, f"{prefix}{i}/").items()}
+    return {prefix.rstrip("/"): state}
+
+
+def _run_outcome(path):
+    """What a finished run folder says it produced, free of what legitimately differs between
+    two runs of one config: timings, and Flower's node ids (per-client bytes keyed by partition)."""
+    import json
+    from pathlib import Path
+
+    from training.protocol import NODE_PARTITIONS_FILE
+    from training.store import PrivateStore
+
+    path = Path(path)
+    partitions = json.loads((path / NODE_PARTITIONS_FILE).read_text())
+    metrics = []
+    for line in (path / "metrics.jsonl").read_text().splitlines():
+        record = {key: value for key, value in json.loads(line).items() if not key.endswith("_s")}
+        record["bytes_per_client"] = {partitions[node]: sent for node, sent in record["bytes_per_client"].items()}
+        metrics.append(record)
+    committed = json.loads((path / "committed.json").read_text())["round"]
+    server = torch.load(path / "checkpoints" / f"round-{committed:06d}.pt", weights_only=True)
+    clients = {store.name: PrivateStore(store).load() for store in sorted((path / "clients").glob("partition-*"))}
+    return {"metrics": metrics, "state": _tensors_of({"server": server, "clients": clients})}
+
+
+@pytest.fixture
+def assert_same_outcome():
+    """Compare two run folders: identical metrics (but timings) and bit-identical weights and optimiser states."""
+
+    def check(first, second):
+        a, b = _run_outcome(first), _run_outcome(second)
+        assert a["metrics"] == b["metrics"]
+        assert a["state"].keys() == b["state"].keys()
+        for key, value in a["state"].items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(b["state"][key], value, rtol=0, atol=0, msg=key)
+            else:
+                assert b["state"][key] == value, key
+
+    return check
+
+
+def tiny_run_config(tmp_path, **overrides) -> dict:
+    """A run config for the tiny profile on a few easy-VQA rows; overrides use dotted keys."""
+    config = {
+        "paradigm": "usl",
+        "model.profile": "tiny",
+        "data.dataset": "easyvqa",
+        "data.train_limit": 24,
+        "data.test_limit": 6,
+        "clients.count": 2,
+        "train.rounds": 1,
+        "train.steps_per_round": 1,
+        "train.batch_size": 4,
+        "train.lr": 1e-2,
+        "eval.every": 0,
+        "eval.batch_size": 4,
+        "eval.max_new_tokens": 2,
+        "faults.timeout_s": 30.0,
+        "output.root": str(tmp_path),
+        "output.name": "run",
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def run_config(tmp_path):
+    return lambda **overrides: tiny_run_config(tmp_path, **overrides)

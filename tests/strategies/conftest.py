@@ -1,4 +1,4 @@
-"""Shared fixtures: an in-process Grid.
+"""Shared fixtures: an in-process Grid (the tiny run config is tests/conftest.py's `run_config`).
 
 Strategy and client logic are tested through real Messages on sims.inprocess's grid,
 without the ~10 s start-up of `flwr run`; FakeGrid adds hooks to inject faults.
@@ -11,11 +11,16 @@ from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from sims.inprocess import InProcessGrid
+from training import protocol
 
 
 
 class FakeGrid(InProcessGrid):
-    """An in-process grid whose replies a test can intercept, replace, drop or make raise."""
+    """An in-process grid whose replies a test can intercept, replace, drop or make raise.
+
+    The partition query at a run's start is answered straight: the faults tests inject are a
+    client's training and evaluation failing, not the node that never joined.
+    """
 
     def __init__(self, client_app: ClientApp, run_config: dict, num_nodes: int) -> None:
         super().__init__(client_app, run_config, num_nodes)
@@ -25,38 +30,11 @@ class FakeGrid(InProcessGrid):
     def deliver(self, message: Message) -> Message | None:
         reply = super().deliver(message)
         node = message.metadata.dst_node_id
-        return self.interceptors[node](message, reply) if node in self.interceptors else reply
+        if node not in self.interceptors or message.metadata.message_type == protocol.PARTITION_QUERY:
+            return reply
+        return self.interceptors[node](message, reply)
 
 
 @pytest.fixture
 def fake_grid():
     return FakeGrid
-
-
-def tiny_run_config(tmp_path, **overrides) -> dict:
-    """A run config for the tiny profile on a few easy-VQA rows; overrides use dotted keys."""
-    config = {
-        "paradigm": "usl",
-        "model.profile": "tiny",
-        "data.dataset": "easyvqa",
-        "data.train_limit": 24,
-        "data.test_limit": 6,
-        "clients.count": 2,
-        "train.rounds": 1,
-        "train.steps_per_round": 1,
-        "train.batch_size": 4,
-        "train.lr": 1e-2,
-        "eval.every": 0,
-        "eval.batch_size": 4,
-        "eval.max_new_tokens": 2,
-        "faults.timeout_s": 30.0,
-        "output.root": str(tmp_path),
-        "output.name": "run",
-    }
-    config.update(overrides)
-    return config
-
-
-@pytest.fixture
-def run_config(tmp_path):
-    return lambda **overrides: tiny_run_config(tmp_path, **overrides)
