@@ -21,10 +21,9 @@ class MiniRecipe:
     vision_lr: float = 3e-3
     vision_max_shift: int = 6
     # The same shape/colour loss on every patch token too, not only on their mean: the
-    # base first learns from 1-4 tokens, so each token should carry the whole image. On
-    # the mean alone one token told shape apart 88-91% of the time at the feature layer
-    # (and the finished model's shape accuracy sat at 90-92%); with this, 96.6-97.5%
-    # and shape 98% (README, "The offline mini model").
+    # base first learns from 1-4 tokens and pruning may keep any subset, so each token
+    # must carry the whole image on its own, which a loss on the mean does not ask for
+    # (results/mini_targets.md has the one-token probe per vision layer).
     vision_token_loss_weight: float = 1.0
     # Stage 2, the base: projector + decoder learn to describe images and answer
     # instructions generated from the captions (LLaVA's own way of making instruction
@@ -47,8 +46,9 @@ class MiniRecipe:
     # (constant rate) goes on past its planned length, check by check, until the check
     # reaches `base_check_accuracy`; without that by `base_few_tokens_max_steps`, the
     # stage starts again from a fresh initialisation with the next seed, at most
-    # `base_attempts` times in all. Before the repeat task a miss was silent: one build
-    # answered yes/no 80.5%, below the question-only prior, its base at chance.
+    # `base_attempts` times in all. Without the check a base that never learned the
+    # comparison would show only at the end, as a finished model answering yes/no no
+    # better than the question alone predicts.
     base_check_every: int = 250
     base_check_images: int = 256
     base_check_accuracy: float = 0.9
@@ -59,20 +59,17 @@ class MiniRecipe:
     base_yes_no_weight: int = 6
     # Answering yes/no needs two things at the answer position: the attribute seen (the
     # "which" tasks teach reading it off the image) and the attribute the question names.
-    # Nothing else needed the latter, and neither alone predicts the answer (yes and no
-    # are equally likely for every value), so learning both at once was slow and a
-    # lottery: on one vision stage with seed 0, shape yes/no passed 99% at few-token step
-    # ~2,000 while colour was still at 64% at step 2,500 (another: 90% overall at step
-    # 1,750; one build: chance throughout). Text-only "Repeat the color: Is the shape
-    # red?" -> "red" (LLaVA-1.5's mix has text-only instructions too) teaches reading the
-    # named attribute directly: in three runs (two vision stages, seeds 0 and 1) yes/no
-    # passed 90% by step 750, colour 94-98% and shape 97-99% there.
+    # No other task teaches the latter, and neither alone predicts the answer (yes and no
+    # are equally likely for every value), so learning both at once from yes/no alone is
+    # slow, and when (or whether) it happens varies from seed to seed. Text-only "Repeat
+    # the color: Is the shape red?" -> "red" (LLaVA-1.5's mix has text-only instructions
+    # too) teaches reading the named attribute on its own, so the comparison emerges early.
     base_repeat_weight: int = 2
     # The yes/no wordings per attribute, all positive: the LoRA stage is left negation and
-    # easy-VQA's other phrasings. With one wording per attribute the LoRA stage did not map
-    # easy-VQA's shape questions onto the base's comparison (shape yes/no 45-77% per
-    # wording, near the prior); "Is there a ...?" is VQAv2's commonest yes/no form, which
-    # LLaVA-1.5's instruction mix contains, the others are paraphrases easy-VQA never uses.
+    # easy-VQA's other phrasings. Several wordings tie the comparison to what a question
+    # means rather than to one phrasing, so the LoRA stage can map easy-VQA's questions
+    # onto it; "Is there a ...?" is VQAv2's commonest yes/no form, which LLaVA-1.5's
+    # instruction mix contains, the others are paraphrases easy-VQA never uses.
     color_yes_no_wordings: tuple[str, ...] = (
         "Is the shape {}?", "Is there a {} shape?", "Can you see a {} shape?", "Does the picture show a {} shape?"
     )
@@ -82,20 +79,18 @@ class MiniRecipe:
     # Stage 3, the VQA stage: LoRA on the frozen base, the way every paradigm fine-tunes.
     # Multi-turn, as LLaVA-1.5 trains: each sequence is one image with up to
     # `vqa_max_turns` of its questions, so 64 visual tokens serve several answers (about
-    # 30 tokens per question instead of 80). On the same base (3,000 test questions):
-    # 1,260 steps of 12 six-turn conversations (about two epochs) gave yes/no 93.3%;
-    # single-turn 1,200 × 64 gave 91.8% (full split) in 2.5× the time; 840 steps
-    # stayed underfit (yes/no 87.6%) and a rate of 2e-3 collapsed yes/no to 56%.
+    # 30 tokens per question instead of 80): the cost is per token, and single-turn
+    # sequences reach the same accuracy in several times the time. About two epochs:
+    # fewer leave yes/no underfit, and twice this rate makes it collapse.
     vqa_steps: int = 1260
     # Conversations per step.
     vqa_batch_size: int = 12
     vqa_max_turns: int = 6
     vqa_lr: float = 1e-3
     # This share of conversations keeps a random 1..64 of the image's visual tokens
-    # (log-uniform, as in the base's tail), the rest all 64: trained on all 64 only, the
-    # finished model's yes/no held at 99% with 19, 32 or 64 tokens kept but fell to
-    # 79-90% with 13, 26 or 45 — a length it had not seen since the base (which stayed
-    # at 99% for every count) — and pruning is what it is for.
+    # (log-uniform, as in the base's tail), the rest all 64: pruning hands the finished
+    # model any count, and a LoRA stage that saw only all 64 answers unreliably at counts
+    # it has not seen since the base.
     vqa_random_keep_share: float = 0.5
     lora_rank: int = 32
     # Every easy-VQA answer is one word; LLaVA's short-answer instruction would only

@@ -12,17 +12,16 @@
    the 64 visual tokens are paid once for several questions (the CPU budget is per
    token); the base's all-token steps are conversations too.
 
-Why this recipe (LLAVA_NOTES.md): from scratch, shape stayed at chance; a base that
-only ever saw captions left a LoRA-only VQA stage answering every yes/no question
-with one constant, and a base that learned the question logic over *text*
-descriptions did not transfer it to the image (yes/no stayed at the 82% prior).
-So the base learns to compare a named attribute with the image (few visual tokens per
-sequence make that emerge early; yes/no tasks come often and in several positive
-wordings; a text-only task teaches reading the attribute a question names, without
-which when — or whether — the comparison emerged was luck), leaving the LoRA stage
-easy-VQA's wordings and negation — which it learns in two epochs, not one (README,
-"The offline mini model"). The base checks the comparison as it trains and starts
-again from another seed if it never comes.
+Why this recipe (LLAVA_NOTES.md): trained end to end from scratch, the model never
+learns shape, hence the vision stage; a base that only sees captions gives a LoRA-only
+VQA stage no comparison to answer yes/no with; and question logic learned over *text*
+descriptions does not transfer to the image. So the base itself learns to compare a
+named attribute with the image: few visual tokens per sequence make that emerge early,
+yes/no tasks come often and in several positive wordings, and a text-only task teaches
+reading the attribute a question names, which the comparison needs and nothing else
+teaches. That leaves the LoRA stage easy-VQA's wordings and negation, about two epochs
+of work. When the comparison emerges still varies with the seed, so the base checks it
+as it trains and starts again from another seed if it never comes.
 """
 
 import math
@@ -142,7 +141,7 @@ def pretrain_vision(
     *,
     progress: bool = True,
 ) -> float:
-    """Train the vision tower to tell shape and colour from its mean patch feature."""
+    """Train the vision tower to tell shape and colour from its mean patch feature and from each patch token."""
     parts = llava_parts(model)
     width = parts.config.vision_config.hidden_size
     generator = torch.Generator().manual_seed(recipe.seed)
