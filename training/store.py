@@ -1,13 +1,14 @@
 """A party's private state on its own disk, one snapshot per round, one file per part.
 
-In deployment mode every message may run in a fresh process, so a client's adapters,
-optimiser state and step counter must be on its disk after every message; Python
-globals and `context.state` (serialised into every message) are the wrong place
-for a 7B model's LoRA and AdamW.
+A warm process snapshots a client's adapters, optimiser state and step counter once
+per turn; in deployment mode every message runs in a fresh process, so there they
+must be on its disk after every message (clients.runtime). Python globals and
+`context.state` (serialised into every message) are the wrong place for a 7B
+model's LoRA and AdamW.
 
 A snapshot is a folder `round-NNNNNN/` with one file per part (e.g. a USL client's
-"head", "tail" and "progress"), so a message rewrites only the part it changed: the
-USL tail step writes the tail, the head step the head. A round's folder starts as
+"head", "tail" and "progress"), so a message rewrites only the part it changed: in
+deployment the USL tail step writes the tail, the head step the head. A round's folder starts as
 hard links to the previous snapshot's files, so every snapshot is complete.
 
 Snapshots are per round so that a resumed run can go back to the round the server

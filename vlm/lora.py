@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -70,6 +71,11 @@ def add_adapter(model: PeftModel, name: str, initial: dict[str, torch.Tensor]) -
         # Its random initialisation is overwritten below; it must not move the process's RNG.
         with torch.random.fork_rng(devices=[]):
             model.add_adapter(name, model.peft_config[DEFAULT_ADAPTER])
+        # peft leaves a new adapter on the CPU where the layer it wraps is on meta.
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and module.get_base_layer().weight.device.type == "meta":
+                module.lora_A[name].to("meta")
+                module.lora_B[name].to("meta")
     result = set_peft_model_state_dict(model, initial, adapter_name=name)
     if result.unexpected_keys:
         raise ValueError(f"peft did not place these adapter keys: {result.unexpected_keys[:4]}")

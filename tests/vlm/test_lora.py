@@ -6,6 +6,7 @@ from peft.tuners.lora import LoraLayer
 from vlm.cuts import split_layers
 from vlm.loading import build_model_on_meta, build_random_model
 from vlm.lora import (
+    add_adapter,
     apply_lora,
     decoder_layer_index,
     load_owner_state,
@@ -130,3 +131,23 @@ def test_llava_7b_lora_size_on_meta():
 def test_apply_lora_rejects_bad_settings(rank, dropout, message):
     with pytest.raises(ValueError, match=message):
         apply_lora(build_random_model(TINY), rank=rank, dropout=dropout)
+
+
+def test_a_second_adapter_set_on_one_base_starts_where_it_is_told_and_trains_alone(lora_model):
+    randomise_lora(lora_model, seed=1)
+    segments = split_layers(TINY.num_layers, TINY.usl_cuts)
+    start = {key: value for segment in segments for key, value in owner_state_dict(lora_model, segment).items()}
+    add_adapter(lora_model, "client_a", start)
+    lora_model.set_adapter("client_a")
+    for segment in segments:
+        for key, value in owner_state_dict(lora_model, segment, "client_a").items():
+            assert torch.equal(value, start[key])
+    assert set(lora_parameters(lora_model, "client_a")).isdisjoint(lora_parameters(lora_model))
+    with torch.no_grad():
+        for parameter in lora_parameters(lora_model, "client_a").values():
+            parameter.add_(1.0)
+    for segment in segments:  # the default set is untouched
+        for key, value in owner_state_dict(lora_model, segment).items():
+            assert torch.equal(value, start[key])
+    assert all(p.requires_grad for p in lora_parameters(lora_model, "client_a").values())
+    assert not any(p.requires_grad for p in lora_parameters(lora_model).values())
