@@ -80,3 +80,12 @@ def test_the_index_is_one_json_line_per_transfer(tmp_path):
     assert json.loads(line)["tensors"] == {"rows": {"shape": [3, 4], "dtype": "float32"}}
     with pytest.raises(ValueError, match="direction"):
         recorder.record(1, 2, "x", {}, direction="sideways")
+
+
+def test_a_kind_the_protocol_does_not_know_is_refused(tmp_path):
+    recorder = Recorder(tmp_path / "rec")
+    with pytest.raises(ValueError, match=r"'activation at CQ' is not in the protocol.*'activation at CA'"):
+        recorder.record(1, 1, "activation at CQ", {"rows": torch.zeros(1, 1)})
+    with pytest.raises(ValueError, match="'gradient at CB' travels 'up'"):
+        recorder.record(1, 1, "gradient at CB", {"grad": torch.zeros(1, 1)}, direction="down")
+    assert not (tmp_path / "rec" / INDEX_FILE).read_text()

@@ -9,9 +9,12 @@ from flwr.app import Message
 from clients.app import app as client_app
 from config import load_config
 from pruning import Selection
+from sims.inprocess import InProcessGrid
 from strategies.app import run
+from strategies.fl import WireFedAvg
 from training import protocol
 from training.store import PrivateStore
+from wire import Wire
 
 
 def metrics(folder):
@@ -251,3 +254,26 @@ def test_a_visual_token_selector_plugs_in_on_the_client(run_config, fake_grid, m
     assert pruned["patches_removed_share"] == 13 / 16 and full["patches_removed_share"] == 0
     # 13 fewer visual tokens per sample cross the cut (2 clients × 2 steps × 4 samples).
     assert full["train_tokens"] - pruned["train_tokens"] == 13 * 2 * 2 * 4
+
+
+@pytest.mark.parametrize("paradigm", ["usl", "fl"])
+def test_clients_take_turns_by_partition_whatever_their_node_ids(paradigm, run_config, assert_same_outcome):
+    """Flower numbers nodes at random; node 907 holding partition 0 and node 13 partition 1 must
+    give the run that nodes 1 and 2 give (FL: with half the clients sampled per round)."""
+    raw = run_config(paradigm=paradigm, **{"train.rounds": 2, "clients.fraction_train": 0.5 if paradigm == "fl" else 1.0})
+    plain = run(InProcessGrid(client_app, {**raw, "output.name": "plain"}, 2), load_config({**raw, "output.name": "plain"}))
+    renumbered_raw = {**raw, "output.name": "renumbered"}
+    renumbered = run(InProcessGrid(client_app, renumbered_raw, 2, node_ids=[907, 13]), load_config(renumbered_raw))
+    assert json.loads((renumbered.path / "nodes.json").read_text()) == {"907": 0, "13": 1}
+    assert_same_outcome(plain.path, renumbered.path)
+
+
+def test_fl_samples_partitions_from_the_seed_and_the_round(run_config):
+    config = load_config(run_config(paradigm="fl", **{"clients.count": 4, "clients.fraction_train": 0.5}))
+    one = WireFedAvg(config, Wire(), {}, {11: 0, 5: 1, 90: 2, 3: 3})
+    other = WireFedAvg(config, Wire(), {}, {7: 0, 8: 1, 1: 2, 2: 3})
+    for round_ in range(1, 6):
+        drawn = [one.partitions[node] for node in one.sampled_nodes(round_)]
+        assert len(drawn) == 2 and drawn == sorted(drawn)
+        assert drawn == [other.partitions[node] for node in other.sampled_nodes(round_)]
+    assert len({tuple(one.sampled_nodes(round_)) for round_ in range(1, 6)}) > 1
