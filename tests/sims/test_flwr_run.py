@@ -1,7 +1,7 @@
 """End-to-end: the sims through the real `flwr run` (simulation runtime, Ray).
 
-Slow (a SuperLink and Ray start each time), so only two: a run that must finish and
-one that must fail fast — both judged by the run folder's status, since
+Slow (a SuperLink and Ray start each time), so only a few: a run that must finish, two
+runs of one config that must agree, and one that must fail fast — judged by the run folder's status, since
 `flwr run --stream` exits 0 either way. Each test session gets its own FLWR_HOME and
 ports, and stops the SuperLink it started.
 """
@@ -53,11 +53,32 @@ def test_usl_sim_finishes_with_two_round_trips_per_step_and_its_recording_replay
     assert [r["round"] for r in records] == [1, 2]
     assert records[0]["round_trips_per_step"] == pytest.approx((2 * 4 + 1) / 4)
     assert records[1]["test_count"] == 6
-    # Under flwr run node ids are not partition ids; the clients' stores say which node held which.
+    # Under flwr run node ids are not partition ids; the run folder's nodes.json says which node held which.
     nodes = {e.client for e in Recording.open(folder).entries}
     assert len(nodes) == 2 and not nodes <= {1, 2}
     result = replay(folder, "actinv", options={"iterations": 100, "max_transfers": 2, "progress": False}, aux_limit=8)
     assert result.metrics["token_recall"] > 0.9
+
+
+def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home, tmp_path, assert_same_outcome):
+    """Flower gives the supernodes new random ids each run; clients take turns by partition."""
+    overrides = {
+        "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 4, "train.rounds": 1,
+        "train.steps_per_round": 2, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 1,
+        "output.root": str(tmp_path),
+    }
+    folders = []
+    for name in ("first", "second"):
+        status, folder, process = launch(
+            SIMS / "usl_easyvqa", {**overrides, "output.name": name}, "num-supernodes=2 client-resources-num-cpus=1",
+            timeout_s=240,
+        )
+        assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+        folders.append(folder)
+    first_nodes, second_nodes = (json.loads((f / "nodes.json").read_text()) for f in folders)
+    assert sorted(first_nodes.values()) == sorted(second_nodes.values()) == [0, 1]
+    assert first_nodes.keys() != second_nodes.keys()  # the node ids did change
+    assert_same_outcome(*folders)
 
 
 def test_the_paper_sim_fails_fast_and_says_what_is_missing(flwr_home, tmp_path):
