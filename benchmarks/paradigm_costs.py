@@ -1,42 +1,63 @@
-"""What split learning costs on Flower: round trips, bytes on the wire, wall time.
+"""What split learning costs on Flower: round trips, bytes on the wire, wall time, memory, disk.
 
-    python benchmarks/paradigm_costs.py [--steps 20] [--batch-size 16] [--stage base|random] [--out FILE]
+    python benchmarks/paradigm_costs.py [--steps 20] [--batch-size 16] [--stage base|random]
+    python benchmarks/paradigm_costs.py --report
 
-Measured in one run of this script, on the mini architecture (its trained `base`
-weights when built, otherwise `--stage random`: the same shapes, so the same costs):
+Measured side by side in one run of this script, on the mini architecture (its trained
+`base` weights when built, otherwise `--stage random`: the same shapes, so the same costs):
 
-1. Round trips per training step, from each run's own counters (SL, USL through `flwr run`).
-2. Bytes on the wire per sample against k × D × bytes-per-element, per direction and
-   wire dtype (k: real tokens crossing the cut; USL moves two such tensors each way
-   per step, SL one plus the answer tokens).
-3. Wall time of N USL steps through `flwr run` (steady-state round) against the same steps in one process:
-   (a) the same apps on sims.inprocess's grid (the split bookkeeping without Flower's
-   runtime) and (b) the unsplit model's plain training loop — and where the time goes.
+1. Round trips per training step and bytes on the wire per sample against k × D ×
+   bytes-per-element, from each run's own counters (SL, USL through `flwr run`; k: real
+   tokens crossing the cut; USL moves two such tensors each way per step, SL one plus
+   the answer tokens).
+2. An empty round trip through `flwr run` (benchmarks/roundtrip_app: partition queries).
+3. Wall time of N USL steps (steady-state round) through `flwr run`, in one process on
+   the same apps (sims.inprocess's grid: the split bookkeeping without Flower's runtime)
+   and on the unsplit model (the plain loop, same model and batches). Targets: in-process
+   USL at most 1.15 × unsplit; `flwr run`'s extra time per step at most 1.2 × the two
+   round trips a step needs.
+4. Bytes the clients write to disk per training step in a warm process (target 0: one
+   snapshot per turn).
+5. Parameter memory of one process serving 4 virtual USL clients against one frozen base
+   plus 4 × (adapters + AdamW) (target at most 1.1 ×).
+6. The frozen parameter bytes each party holds at llava-1.5-7b (meta device, no weights).
 
+Writes results/paradigm_costs.json and renders results/paradigm_costs.md from it.
 Not a test: numbers depend on the machine and its load.
 """
 
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from clients import runtime as client_runtime
+from clients.runtime import build_runtime
+from config import load_config
 from sims.inprocess import run_in_process
 from sims.launch import app_config, launch, stop_local_superlink
-from config import load_config
 from training.batches import batch_positions, decoder_inputs
-from training.model import load_party_model, make_optimizer
-from clients.runtime import build_runtime
+from training.model import load_party_model, make_optimizer, party_parameter_bytes
+from training.store import PrivateStore
+from vlm.loading import build_model_on_meta, count_parameters
 from vlm.lora import lora_parameters
 from vlm.profiles import get_profile
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import WIRE_DTYPES
 
+from report import REPORT_HELP, markdown_table, provenance, read_json, write_json, write_markdown
+
+NAME = "paradigm_costs"
+COMMAND = "python benchmarks/paradigm_costs.py"
 SIMS = Path(__file__).parents[1] / "sims"
+ROUNDTRIP_APP = Path(__file__).parent / "roundtrip_app"
+TARGETS = {"inprocess_vs_unsplit": 1.15, "flwr_extra_vs_round_trips": 1.2, "memory_vs_shared": 1.1}
+VIRTUAL_CLIENTS = 4
 
 
 def read_metrics(folder: Path) -> list[dict]:
@@ -80,14 +101,88 @@ def unsplit_seconds(config, root: Path) -> float:
     return time.perf_counter() - started
 
 
+class SnapshotLog:
+    """Every PrivateStore.save of this process: its round and the bytes it wrote."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, int]] = []
+        self._original = PrivateStore.save
+
+    def __enter__(self) -> "SnapshotLog":
+        log, original = self, self._original
+
+        def save(store: PrivateStore, round_: int, parts: dict) -> None:
+            original(store, round_, parts)
+            folder = store.directory / f"round-{round_:06d}"
+            log.saves.append((round_, sum((folder / f"{name}.pt").stat().st_size for name in parts)))
+
+        PrivateStore.save = save
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PrivateStore.save = self._original
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (meta tensors hold none)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def virtual_client_memory(args, root: Path) -> dict:
+    """One process, 4 USL clients after a training step each: what their parameters and AdamW hold."""
+    client_runtime._BASES.clear()
+    client_runtime._RUNTIMES.clear()
+    overrides = overrides_for(args, root, "usl-4-clients", **{"clients.count": VIRTUAL_CLIENTS, "train.rounds": 1,
+                                                             "train.steps_per_round": 1})
+    run_in_process(app_config(SIMS / "usl_easyvqa", overrides))
+    runtimes = list(client_runtime._RUNTIMES.values())
+    model = runtimes[0].model
+    own = []
+    for rt in runtimes:
+        for owner in rt.owned:
+            own += rt.parameters(owner)
+        own += [value for optimizer in rt.optimizers.values() for state in optimizer.state.values()
+                for value in state.values() if torch.is_tensor(value) and value.dim() > 0]
+    base = storage_bytes(p for name, p in model.named_parameters() if "lora_" not in name)
+    held = storage_bytes([*model.parameters(), *own])
+    whole = sum(p.numel() * p.element_size() for name, p in load_party_model(runtimes[0].config).model.named_parameters()
+                if "lora_" not in name)
+    return {
+        "clients": len(runtimes),
+        "distinct_models": len({id(rt.model) for rt in runtimes}),
+        "held_bytes": held,
+        "one_base_bytes": base,
+        "whole_model_bytes": whole,
+        "adapters_and_adamw_bytes": storage_bytes(own),
+        "ratio_held_vs_one_base_plus_own": held / (base + storage_bytes(own)),
+    }
+
+
+def empty_round_trip(root: Path) -> dict:
+    overrides = {"output.root": str(root), "output.name": "roundtrip"}
+    status, _, process = launch(ROUNDTRIP_APP, overrides, "num-supernodes=1", timeout_s=600)
+    if status["state"] != "finished":
+        raise SystemExit(f"round trip app: {status['state']}: {status.get('error')}\n{process.stdout[-3000:]}")
+    seconds = status["round_trip_s"]
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds), "count": len(seconds)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--train-limit", type=int, default=512)
     parser.add_argument("--stage", default="random", choices=("base", "random"))
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     args = parser.parse_args()
+    if args.report:
+        print(f"wrote {render_report(read_json(NAME))}")
+        return
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="paradigm-costs-"))
     # A SuperLink of our own (own home, own ports), single-threaded clients like this process.
@@ -96,13 +191,16 @@ def main() -> None:
         FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39394", OMP_NUM_THREADS="1",
     )
     try:
-        measure(args, root)
+        results = measure(args, root)
     finally:
         stop_local_superlink(root / "flwr-home")
+    write_json(NAME, results)
+    print(render_report(read_json(NAME)).read_text())
 
 
-def measure(args, root: Path) -> None:
-    results: dict = {"steps": args.steps, "batch_size": args.batch_size, "stage": args.stage, "runs": {}}
+def measure(args, root: Path) -> dict:
+    results: dict = {"provenance": provenance(), "steps": args.steps, "batch_size": args.batch_size,
+                     "stage": args.stage, "load_average": os.getloadavg()[0], "runs": {}}
 
     for paradigm, wire_dtype in (("sl", "fp32"), ("usl", "fp32"), ("usl", "bf16")):
         name = f"{paradigm}-{wire_dtype}"
@@ -116,8 +214,6 @@ def measure(args, root: Path) -> None:
         config = load_config(app_config(SIMS / f"{paradigm}_easyvqa", overrides))
         hidden = get_profile(config.model.profile).hidden_size
         per_element = WIRE_DTYPES[wire_dtype].itemsize
-        # Tensors of k × D per step and direction: USL activation at CA + gradient at CB up,
-        # activation at CB + gradient at CA down; SL activation up, gradient down.
         tensors_each_way = 2 if paradigm == "usl" else 1
         theory = record["train_tokens"] * hidden * per_element * tensors_each_way
         samples = record["steps"] * args.batch_size
@@ -136,32 +232,91 @@ def measure(args, root: Path) -> None:
         }
         print(name, json.dumps(results["runs"][name], indent=1), flush=True)
 
-    usl = overrides_for(args, root, "usl-inprocess", paradigm="usl")
-    full = app_config(SIMS / "usl_easyvqa", usl)
-    started = time.perf_counter()
-    folder = run_in_process(full)
-    inprocess_total = time.perf_counter() - started
+    results["round_trip"] = empty_round_trip(root)
+    print("round trip", json.dumps(results["round_trip"]), flush=True)
+
+    full = app_config(SIMS / "usl_easyvqa", overrides_for(args, root, "usl-inprocess"))
+    with SnapshotLog() as snapshots:
+        folder = run_in_process(full)
     _, record = read_metrics(folder.path)
     unsplit = unsplit_seconds(load_config(full), root)
     flwr = results["runs"]["usl-fp32"]
+    steps = record["steps"]
+    extra_per_step = (flwr["flwr_round_s"] - record["wall_s"]) / steps
+    round_trip = results["round_trip"]["median_s"]
     results["wall"] = {
-        "usl_flwr_run_total_s": flwr["flwr_run_total_s"],
         "usl_flwr_round_s": flwr["flwr_round_s"],
-        "usl_inprocess_total_s": inprocess_total,
         "usl_inprocess_round_s": record["wall_s"],
         "unsplit_one_process_s": unsplit,
+        "ratio_inprocess_vs_unsplit": record["wall_s"] / unsplit,
+        "flwr_extra_s_per_step": extra_per_step,
+        "ratio_flwr_extra_vs_two_round_trips": extra_per_step / (2 * round_trip),
         "ratio_flwr_round_vs_unsplit": flwr["flwr_round_s"] / unsplit,
-        "ratio_flwr_round_vs_inprocess_round": flwr["flwr_round_s"] / record["wall_s"],
-        # Where the time goes: start-up before the first round, Flower's per-round-trip wait,
-        # and the split's own bookkeeping (head re-run for its backward, private state on disk).
         "startup_and_teardown_s": flwr["flwr_run_total_s"] - flwr["flwr_round_s"] - flwr["flwr_first_round_s"],
         "first_round_warmup_s": flwr["flwr_first_round_s"] - flwr["flwr_round_s"],
-        "runtime_s_per_round_trip": (flwr["flwr_round_s"] - record["wall_s"]) / flwr["round_trips"],
-        "split_bookkeeping_s": record["wall_s"] - unsplit,
     }
-    print("wall", json.dumps(results["wall"], indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    steady = [written for round_, written in snapshots.saves if round_ == 2]
+    results["disk"] = {
+        "snapshots_in_steady_round": len(steady),
+        "turns_in_steady_round": 1,
+        "snapshot_bytes": steady[-1] if steady else 0,
+        # Everything written besides the turn's one snapshot, spread over its steps.
+        "bytes_per_step_besides_the_turn_snapshot": (sum(steady) - (steady[-1] if steady else 0)) / steps,
+    }
+    print("wall", json.dumps(results["wall"], indent=1), "disk", json.dumps(results["disk"]), flush=True)
+
+    results["memory"] = virtual_client_memory(args, root)
+    print("memory", json.dumps(results["memory"]), flush=True)
+    profile = get_profile("llava-1.5-7b")
+    results["party_bytes_7b"] = party_parameter_bytes(profile, count_parameters(build_model_on_meta(profile)))
+    return results
+
+
+def render_report(results: dict, folder: Path | None = None) -> Path:
+    wall, memory, disk, trip = results["wall"], results["memory"], results["disk"], results["round_trip"]
+    settings = (f"{results['steps']} steps of {results['batch_size']} samples per round, mini shapes "
+                f"(`--stage {results['stage']}`), steady-state round; 1-minute load average "
+                f"{results['load_average']:.2f} when it started.")
+    targets = markdown_table(
+        ["measure", "measured", "target"],
+        [
+            ["in-process USL round / unsplit steps (same model, same batches)",
+             f"{wall['ratio_inprocess_vs_unsplit']:.2f}× ({wall['usl_inprocess_round_s']:.2f} s / "
+             f"{wall['unsplit_one_process_s']:.2f} s)", f"≤ {TARGETS['inprocess_vs_unsplit']}×"],
+            ["`flwr run` extra time per step / two empty round trips",
+             f"{wall['ratio_flwr_extra_vs_two_round_trips']:.2f}× ({wall['flwr_extra_s_per_step'] * 1000:.0f} ms / "
+             f"2 × {trip['median_s'] * 1000:.0f} ms)", f"≤ {TARGETS['flwr_extra_vs_round_trips']}×"],
+            [f"parameter memory, {memory['clients']} virtual clients / (one base + their adapters and AdamW)",
+             f"{memory['ratio_held_vs_one_base_plus_own']:.3f}× ({memory['held_bytes'] / 2**20:.1f} MiB)",
+             f"≤ {TARGETS['memory_vs_shared']}×"],
+            ["bytes written to disk per training step in a warm process",
+             f"{disk['bytes_per_step_besides_the_turn_snapshot']:.0f} B ({disk['snapshots_in_steady_round']} snapshot "
+             f"of {disk['snapshot_bytes'] / 2**20:.2f} MiB per turn)", "0 (one snapshot per turn)"],
+        ],
+    )
+    runs = markdown_table(
+        ["run", "round trips / step", "bytes up / sample", "bytes down / sample", "k·D·bpe / sample",
+         "overhead up", "overhead down", "round (s)", "first round (s)"],
+        [[name, r["round_trips_per_step"], r["bytes_up_per_sample"], r["bytes_down_per_sample"],
+          r["k_d_bpe_per_sample_each_way"], f"{r['overhead_up']:.2%}", f"{r['overhead_down']:.2%}",
+          r["flwr_round_s"], r["flwr_first_round_s"]] for name, r in results["runs"].items()],
+    )
+    parties = markdown_table(
+        ["party", "fp16 / bf16 (GB)", "fp32 (GB)"],
+        [[party, f"{held['16-bit'] / 1e9:.2f}", f"{held['fp32'] / 1e9:.2f}"]
+         for party, held in results["party_bytes_7b"].items()],
+    )
+    body = "\n\n".join([
+        settings, "## Targets", targets,
+        f"Empty round trip through `flwr run`: median {trip['median_s'] * 1000:.0f} ms "
+        f"(min {trip['min_s'] * 1000:.0f}, max {trip['max_s'] * 1000:.0f}, {trip['count']} queries). "
+        f"Four whole models would hold {4 * memory['whole_model_bytes'] / 2**20:.1f} MiB; the clients' shared base "
+        f"is {memory['one_base_bytes'] / 2**20:.1f} MiB of the whole {memory['whole_model_bytes'] / 2**20:.1f} MiB.",
+        "## Through `flwr run`", runs,
+        "## Frozen parameters each party holds at llava-1.5-7b (default cuts, LoRA excluded)", parties,
+    ])
+    return write_markdown(NAME, "What split learning costs on Flower", body, results.get("provenance"),
+                          command=COMMAND, **({} if folder is None else {"folder": folder}))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ class ClientRuntime:
 
     def activate(self) -> None:
         """Make this client's adapters the ones the shared base computes with."""
-        self.model.set_adapter(self.adapter)
+        # peft walks every module to switch; consecutive messages mostly come from one client.
+        if self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
 
     def parameters(self, owner: str) -> list[torch.nn.Parameter]:
         return list(owner_lora_parameters(self.model, self.owned[owner], self.adapter).values())

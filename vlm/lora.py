@@ -98,11 +98,12 @@ def owner_lora_parameters(
 
 
 def owner_state_dict(model: PeftModel, segment: LayerSegment, adapter: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
-    """The owner's adapters in peft's adapter-file key format (detached copies)."""
+    """The owner's adapters in peft's adapter-file key format (detached copies): the
+    parameter names without the adapter's name, as get_peft_model_state_dict writes them
+    (which builds the whole model's state dict to get there)."""
     return {
-        key: value.detach().clone()
-        for key, value in get_peft_model_state_dict(model, adapter_name=adapter).items()
-        if decoder_layer_index(key) in segment
+        name.replace(f".{adapter}.", "."): parameter.detach().clone()
+        for name, parameter in owner_lora_parameters(model, segment, adapter).items()
     }
 
 
