@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from clients.split import SplitClient
+from training import protocol
 from training.batches import EncodedSample
 
 
@@ -18,6 +19,6 @@ class SLClient(SplitClient):
 
     def extra_forward_tensors(self, batch: Sequence[EncodedSample]) -> dict[str, torch.Tensor]:
         return {
-            "answers": torch.cat([item.answer_ids for item in batch]),
-            "answer_lengths": torch.tensor([item.answer_ids.numel() for item in batch]),
+            protocol.ANSWERS: torch.cat([item.answer_ids for item in batch]),
+            protocol.ANSWER_LENGTHS: torch.tensor([item.answer_ids.numel() for item in batch]),
         }
