@@ -202,7 +202,8 @@ def measure(args, root: Path) -> dict:
     results: dict = {"provenance": provenance(), "steps": args.steps, "batch_size": args.batch_size,
                      "stage": args.stage, "load_average": os.getloadavg()[0], "runs": {}}
 
-    for paradigm, wire_dtype in (("sl", "fp32"), ("usl", "fp32"), ("usl", "bf16")):
+    # USL fp32 last, so the in-process and unsplit steps it is compared with run right after it.
+    for paradigm, wire_dtype in (("sl", "fp32"), ("usl", "bf16"), ("usl", "fp32")):
         name = f"{paradigm}-{wire_dtype}"
         overrides = overrides_for(args, root, name, **{"wire.dtype": wire_dtype})
         started = time.perf_counter()
@@ -229,17 +230,18 @@ def measure(args, root: Path) -> dict:
             "flwr_run_total_s": total,
             "flwr_round_s": record["wall_s"],
             "flwr_first_round_s": warmup["wall_s"],
+            "load_average_after": os.getloadavg()[0],
         }
         print(name, json.dumps(results["runs"][name], indent=1), flush=True)
-
-    results["round_trip"] = empty_round_trip(root)
-    print("round trip", json.dumps(results["round_trip"]), flush=True)
 
     full = app_config(SIMS / "usl_easyvqa", overrides_for(args, root, "usl-inprocess"))
     with SnapshotLog() as snapshots:
         folder = run_in_process(full)
     _, record = read_metrics(folder.path)
     unsplit = unsplit_seconds(load_config(full), root)
+    results["load_average_after_inprocess"] = os.getloadavg()[0]
+    results["round_trip"] = empty_round_trip(root)
+    print("round trip", json.dumps(results["round_trip"]), flush=True)
     flwr = results["runs"]["usl-fp32"]
     steps = record["steps"]
     extra_per_step = (flwr["flwr_round_s"] - record["wall_s"]) / steps
@@ -275,8 +277,11 @@ def measure(args, root: Path) -> dict:
 def render_report(results: dict, folder: Path | None = None) -> Path:
     wall, memory, disk, trip = results["wall"], results["memory"], results["disk"], results["round_trip"]
     settings = (f"{results['steps']} steps of {results['batch_size']} samples per round, mini shapes "
-                f"(`--stage {results['stage']}`), steady-state round; 1-minute load average "
-                f"{results['load_average']:.2f} when it started.")
+                f"(`--stage {results['stage']}`), steady-state round. 1-minute load average: "
+                f"{results['load_average']:.2f} at the start, {results['runs']['usl-fp32']['load_average_after']:.2f} "
+                f"after the USL `flwr run`, {results['load_average_after_inprocess']:.2f} after the in-process and "
+                "unsplit steps it is compared with (other work on the machine slows the two alike only when it is "
+                "steady).")
     targets = markdown_table(
         ["measure", "measured", "target"],
         [

@@ -92,14 +92,14 @@ class SplitClient:
         return {"tensors": {protocol.ROWS: rows.detach(), protocol.LENGTHS: lengths, **self.extra_forward_tensors(batch)},
                 "metrics": pruned.as_message_metrics()}
 
-    def kept_front(self) -> KeptFront | None:
+    def front_of_this_step(self) -> KeptFront | None:
         """This step's kept front, if this process computed it and nothing reloaded since."""
         kept = self.rt.kept_front
         return kept if kept is not None and kept.step == self.rt.step else None
 
     def step_inputs(self) -> DecoderInputs:
         """The current step's decoder inputs: kept, or recomputed without a graph."""
-        kept = self.kept_front()
+        kept = self.front_of_this_step()
         if kept is not None:
             return kept.inputs
         batch = self.train_batch()
@@ -114,7 +114,7 @@ class SplitClient:
         """The gradient at the first cut arrived: finish step t, and start step t+1 in the same reply."""
         rt = self.rt
         rt.sync_private_state()
-        kept = self.kept_front()
+        kept = self.front_of_this_step()
         if kept is None:
             batch = self.train_batch()
             inputs, hidden, _ = self.front_forward(batch, [item.answer_ids for item in batch])
