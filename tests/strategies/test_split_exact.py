@@ -116,6 +116,16 @@ def test_a_warm_client_writes_its_private_state_once_per_turn(run_config, fake_g
     ]
 
 
+def test_a_warm_client_parses_the_run_config_once(run_config, fake_grid, monkeypatch):
+    parses = []
+    original = client_runtime_module.load_config
+    monkeypatch.setattr(client_runtime_module, "_CONFIGS", {})
+    monkeypatch.setattr(client_runtime_module, "load_config", lambda raw: parses.append(1) or original(raw))
+    raw = run_config(**{"train.rounds": 2, "train.steps_per_round": 2, "eval.every": 2})
+    run(fake_grid(client_app, raw, 2), load_config(raw))
+    assert len(parses) == 1  # for 2 clients × 2 rounds × 5 training messages and the evaluation
+
+
 class Killed(BaseException):
     """Stands in for a process dying: nothing in the run may catch it."""
 
