@@ -21,7 +21,7 @@ from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolde
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, to_numpy_record
 from strategies.split import SLStrategy, USLStrategy
-from training.model import load_party_model
+from training.model import SERVER, load_party_model
 from vlm.lora import owner_state_dict
 from wire import Transfer, Wire
 
@@ -38,9 +38,11 @@ def build_round_strategy(
 ) -> RoundStrategy:
     if config.paradigm == "cl":
         return CLStrategy(config, wire, callbacks)
-    party = load_party_model(config)
+    # A hijacking server holds the whole public model (FSHA's pilot imitates the client's front).
+    hijacking = config.threat.model == "active-fsha"
+    party = load_party_model(config, None if hijacking else SERVER)
     strategy_class = {"sl": SLStrategy, "usl": USLStrategy}[config.paradigm]
-    if config.threat.model == "active-fsha":
+    if hijacking:
         hijack = FSHAHijack(config, party, folder, pretrain=not resuming)
         return strategy_class(config, party, wire, [*callbacks, hijack], hijack)
     return strategy_class(config, party, wire, list(callbacks))

@@ -98,11 +98,10 @@ class RoundStrategy(ABC):
             content[protocol.TENSORS] = self.wire.encode(tensors)
         self.wire.sent(round_, node, content, kind=carried.name if carried is not None and carried.replayed else None)
         message = Message(content=content, message_type=message_type, dst_node_id=node)
-        replies = list(grid.send_and_receive([message], timeout=self.config.faults.timeout_s))
+        reply = send_and_await(grid, message, self.config.faults.timeout_s)
         self.round_trips[round_, message_type.split(".")[0]] += 1
-        if not replies:
+        if reply is None:
             raise ClientFault(f"no reply to {message_type} within faults.timeout_s={self.config.faults.timeout_s}s")
-        reply = replies[0]
         if reply.has_error():
             raise ClientFault(f"{message_type} raised on the client: {reply.error.reason.strip()}")
         return reply.content
@@ -154,6 +153,31 @@ def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = Tr
             f"--federation-config 'num-supernodes={count}' (simulation) or start {count} SuperNodes"
         )
     return nodes
+
+
+# Flower's Grid.send_and_receive sleeps between pulls (0.1 s in simulation, 3 s over HTTP),
+# rounding every round trip up to its next pull; a USL step waits on two. The server pulls
+# from 1 ms on, doubling up to REPLY_POLL_MAX_S, so a reply is picked up soon after it lands.
+REPLY_POLL_MAX_S = 0.02
+
+
+def send_and_await(grid: Grid, message: Message, timeout: float) -> Message | None:
+    """`message`'s reply, or None after `timeout` seconds; a grid without push/pull (the
+    in-process one, which answers at once) is asked with send_and_receive."""
+    if not hasattr(grid, "pull_messages"):
+        replies = list(grid.send_and_receive([message], timeout=timeout))
+        return replies[0] if replies else None
+    ids = set(grid.push_messages([message]))
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while ids:
+        replies = list(grid.pull_messages(ids))
+        if replies:
+            return replies[0]
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, REPLY_POLL_MAX_S)
+    return None
 
 
 def federation_partitions(grid: Grid, config: SimConfig) -> dict[int, int]:

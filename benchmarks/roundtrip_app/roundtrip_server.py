@@ -8,6 +8,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from config import load_config
+from strategies.base import send_and_await
 from training import protocol
 
 WARMUP = 3
@@ -26,8 +27,9 @@ def main(grid: Grid, context: Context) -> None:
     for _ in range(WARMUP + ROUND_TRIPS):
         query = Message(content=RecordDict(), message_type=protocol.PARTITION_QUERY, dst_node_id=nodes[0])
         started = time.perf_counter()
-        replies = list(grid.send_and_receive([query], timeout=120))
-        if not replies or replies[0].has_error():
+        # Awaited as the strategies await every reply.
+        reply = send_and_await(grid, query, timeout=120)
+        if reply is None or reply.has_error():
             raise RuntimeError(f"the node did not answer {protocol.PARTITION_QUERY}")
         seconds.append(time.perf_counter() - started)
     (folder / "status.json").write_text(json.dumps({"state": "finished", "round_trip_s": seconds[WARMUP:]}))
