@@ -44,7 +44,7 @@ from sims.launch import app_config, launch, stop_local_superlink
 from training.batches import batch_positions, decoder_inputs
 from training.model import load_party_model, make_optimizer, party_parameter_bytes
 from training.store import PrivateStore
-from vlm.loading import build_model_on_meta, count_parameters
+from vlm.loading import build_model_on_meta, count_parameters, storage_bytes
 from vlm.lora import lora_parameters
 from vlm.profiles import get_profile
 from vlm.segments import next_token_loss, run_decoder_layers
@@ -121,16 +121,6 @@ class SnapshotLog:
 
     def __exit__(self, *exc) -> None:
         PrivateStore.save = self._original
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (meta tensors hold none)."""
-    storages = {}
-    for tensor in tensors:
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
 
 
 def virtual_client_memory(args, root: Path) -> dict:

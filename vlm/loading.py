@@ -9,7 +9,7 @@ imported on first use (LAZY_LOADER_MODULES), so callers need not remember to imp
 """
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -334,3 +334,14 @@ def count_parameters(model: nn.Module) -> ParameterCounts:
 
 register_loader("llava-1.5-7b", load_pretrained_llava)
 register_loader("tiny", load_random)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`: memory they really hold, however many
+    tensors share one storage (meta tensors hold none)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())

@@ -8,20 +8,10 @@ from clients.app import app as client_app
 from config import load_config
 from strategies.app import run
 from training.model import CLIENT, SERVER, load_party_model, party_parameter_bytes
-from vlm.loading import count_parameters
+from vlm.loading import count_parameters, storage_bytes
 from vlm.lora import lora_parameters
 from vlm.profiles import get_profile
 from vlm.segments import run_decoder_layers
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (meta tensors hold none)."""
-    storages = {}
-    for tensor in tensors:
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
 
 
 @pytest.mark.parametrize("paradigm", ["usl", "fl"])
