@@ -172,10 +172,14 @@ def parsed_config(run_config: dict) -> tuple[SimConfig, str]:
     return _CONFIGS[key]
 
 
+def _base_key(config: SimConfig) -> str:
+    return json.dumps([asdict(config.model), config.paradigm, list(config.cuts)], sort_keys=True)
+
+
 def shared_party_model(config: SimConfig) -> PartyModel:
     """The client party's model, one per process and model settings: every virtual client
     the process serves computes on this frozen base with its own adapter set."""
-    key = json.dumps([asdict(config.model), config.paradigm, list(config.cuts)], sort_keys=True)
+    key = _base_key(config)
     if key not in _BASES:
         _BASES[key] = load_party_model(config, CLIENT)
     return _BASES[key]
@@ -199,11 +203,29 @@ def client_runtime(context: Context) -> ClientRuntime:
     )
     key = (fingerprint, partition_id, state_dir)
     if key not in _RUNTIMES:
+        release_other_runs(config, fingerprint)
         _RUNTIMES[key] = build_runtime(config, partition_id, state_dir)
         _RUNTIMES[key].store.record_node(context.node_id)
     runtime = _RUNTIMES[key]
     runtime.activate()
     return runtime
+
+
+def release_other_runs(config: SimConfig, fingerprint: str) -> None:
+    """Free the runtimes of runs other than `fingerprint`, and the bases `config` does not
+    compute on: a process that serves runs one after another (a sweep) would otherwise keep
+    every run's adapters. Progress they hold only in memory is snapshotted first, so a
+    later message of theirs rebuilds them from disk."""
+    for key in [key for key in _RUNTIMES if key[0] != fingerprint]:
+        runtime = _RUNTIMES.pop(key)
+        if runtime.unsaved_round is not None:
+            runtime.save_private_state(runtime.unsaved_round)
+        if runtime.model.active_adapter == runtime.adapter:
+            runtime.model.set_adapter(DEFAULT_ADAPTER)
+        runtime.model.delete_adapter(runtime.adapter)
+    in_use = {id(runtime.party) for runtime in _RUNTIMES.values()}
+    for key in [key for key, party in _BASES.items() if id(party) not in in_use and key != _base_key(config)]:
+        del _BASES[key]
 
 
 def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:

@@ -1,5 +1,7 @@
 """Virtual clients served by one process share one frozen base; each party holds only what it runs."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,6 +39,27 @@ def test_four_virtual_clients_hold_one_base_and_their_own_adapters_and_adamw(par
     assert held <= 1.1 * budget
     # Four bases would be far over it.
     assert 4 * storage_bytes(base) > 1.1 * budget
+
+
+def test_a_process_serving_runs_one_after_another_keeps_only_the_current_runs_adapters(run_config, fake_grid, monkeypatch):
+    monkeypatch.setattr(client_runtime_module, "_BASES", {})
+    monkeypatch.setattr(client_runtime_module, "_RUNTIMES", {})
+    first, second = run_config(**{"output.name": "first"}), run_config(**{"output.name": "second"})
+    run(fake_grid(client_app, first, 2), load_config(first))
+    model = next(iter(client_runtime_module._RUNTIMES.values())).model
+    run(fake_grid(client_app, second, 2), load_config(second))
+    runtimes = list(client_runtime_module._RUNTIMES.values())
+    assert {rt.config.output.name for rt in runtimes} == {"second"}
+    assert set(model.peft_config) == {"default", *(rt.adapter for rt in runtimes)}
+    # The first run, extended, picks up from its disk exactly as if it had never been released.
+    longer = run_config(**{"output.name": "first", "train.rounds": 2})
+    resumed = run(fake_grid(client_app, longer, 2), load_config(longer))
+    monkeypatch.setattr(client_runtime_module, "_RUNTIMES", {})
+    straight_config = run_config(**{"output.name": "straight", "train.rounds": 2})
+    straight = run(fake_grid(client_app, straight_config, 2), load_config(straight_config))
+    losses = [[record["train_loss"] for record in map(json.loads, (f.path / "metrics.jsonl").read_text().splitlines())]
+              for f in (resumed, straight)]
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.parametrize(("paradigm", "role"), [("usl", CLIENT), ("usl", SERVER), ("sl", CLIENT), ("sl", SERVER), ("fl", CLIENT)])
