@@ -26,6 +26,7 @@ from flwr.app import Context
 
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
+from training import protocol
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
 from training.model import CLIENT, PARTY_OWNERS, PartyModel, load_party_model, make_optimizer
@@ -188,7 +189,7 @@ def shared_party_model(config: SimConfig) -> PartyModel:
 def client_runtime(context: Context) -> ClientRuntime:
     """The runtime of this node for this run, built once per process, its adapters active."""
     config, fingerprint = parsed_config(context.run_config)
-    partition_id = int(context.node_config.get("partition-id", 0))
+    partition_id = int(context.node_config.get(protocol.PARTITION_ID, 0))
     num_partitions = int(context.node_config.get("num-partitions", config.clients.count))
     if config.paradigm == "cl":
         # The one trainer holds all data, whichever node the server picked for it.

@@ -17,6 +17,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from config import load_config
 from strategies.callbacks import RunFolder
+from training import protocol
 
 
 class InProcessGrid:
@@ -33,7 +34,7 @@ class InProcessGrid:
             node: Context(
                 run_id=1,
                 node_id=node,
-                node_config={"partition-id": partition, "num-partitions": num_nodes},
+                node_config={protocol.PARTITION_ID: partition, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )
