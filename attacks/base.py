@@ -75,6 +75,9 @@ class Attack(ABC):
     # "passive" (honest-but-curious server), "active" (the server deviates), "query" (black-box model access).
     threat_model: ClassVar[str]
     Options: ClassVar[type]
+    # Whether `fit` reads the run itself (state prepare_replay took from it) besides public data;
+    # an attack whose fit does not is fitted once and replayed on every run of the same public setting.
+    fit_reads_run: ClassVar[bool] = False
 
     def __init__(self, knowledge: AttackerKnowledge, **options: Any) -> None:
         allowed = {f.name for f in fields(self.Options)}

@@ -63,6 +63,7 @@ class FSHA(Attack):
     name = "fsha"
     threat_model = "active"
     Options = FSHAOptions
+    fit_reads_run = True
 
     # A hijacked run's saved server state (prepare_replay), loaded by `fit` in place of pre-training.
     saved_state: Path | None = None

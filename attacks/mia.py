@@ -216,8 +216,12 @@ class MIA(Attack):
             for records in (members, non_members)
         )
         scores = self.membership_scores(self.target, [*members, *non_members])
-        result = AttackResult(self.name, details={"members": len(members), "non_members": len(non_members)})
-        result.metrics.update(membership_metrics(scores, [True] * len(members) + [False] * len(non_members)))
+        is_member = [True] * len(members) + [False] * len(non_members)
+        # The scores themselves are kept so that ROC curves can be drawn from the saved result.
+        result = AttackResult(self.name, details={"members": len(members), "non_members": len(non_members)},
+                              outputs={"scores": torch.as_tensor(scores, dtype=torch.float32),
+                                       "is_member": torch.tensor(is_member)})
+        result.metrics.update(membership_metrics(scores, is_member))
         if o.attribute_records:
             result.metrics.update(self.infer_attributes(self.target, members[: o.attribute_records]))
         return result

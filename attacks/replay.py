@@ -44,6 +44,19 @@ def knowledge_for_run(config: SimConfig, party: PartyModel | None = None) -> Att
     )
 
 
+# What a run's attacker knows publicly does not depend on these keys (knowledge_for_run reads
+# the model, cuts, data and training recipe; the auxiliary rows the data and threat.aux_* keys).
+_PRIVATE_OR_RUN_ONLY = ("pruning.", "output.", "faults.", "eval.", "wire.", "threat.model", "threat.max_",
+                        "threat.fsha_")
+
+
+def public_setting(config: SimConfig) -> str:
+    """A key equal for runs whose attackers know the same public model, cuts, recipe and
+    auxiliary data: an attack fitted for one of them (`fit_for_run`) replays on all."""
+    kept = {k: v for k, v in config.to_flat().items() if not k.startswith(_PRIVATE_OR_RUN_ONLY)}
+    return json.dumps(kept, sort_keys=True)
+
+
 def replay(
     run_folder: str | Path,
     attack: str | Attack,
