@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from config import SimConfig
+from config import RESUMABLE_KEYS, SimConfig
 from training.protocol import NODE_PARTITIONS_FILE
 
 
@@ -41,21 +41,17 @@ class RunFolder:
         path.mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)
         previous = path / "config.json"
-        if previous.exists() and self.committed_round() > 0:
-            old = json.loads(previous.read_text())
-            if not config.output.resume:
-                raise FileExistsError(
-                    f"run folder {path} already holds {self.committed_round()} rounds and output.resume=false; "
-                    "choose another output.name or set output.resume=true"
-                )
-            if old["fingerprint"] != config.fingerprint():
-                changed = sorted(
-                    key for key, value in config.to_flat().items() if old["config"].get(key) != value
-                )
-                raise ValueError(
-                    f"run folder {path} was written by a different config (changed: {changed}); only "
-                    "train.rounds, faults.timeout_s and output.resume may change on resume — use another output.name"
-                )
+        if previous.exists() and self.committed_round() > 0 and not config.output.resume:
+            raise FileExistsError(
+                f"run folder {path} already holds {self.committed_round()} rounds and output.resume=false; "
+                "choose another output.name or set output.resume=true"
+            )
+        changed = changed_since_written(config, path)
+        if changed:
+            raise ValueError(
+                f"run folder {path} was written by a different config (changed: {changed}); only "
+                f"{', '.join(RESUMABLE_KEYS)} may change on resume — use another output.name"
+            )
         _write_json(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
 
     def committed_round(self) -> int:
@@ -79,6 +75,21 @@ class RunFolder:
     def write_status(self, state: str, **details: Any) -> None:
         status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model, **details}
         _write_json(self.path / "status.json", status)
+
+
+def changed_since_written(config: SimConfig, path: Path) -> list[str]:
+    """The keys whose values differ from those of the config that wrote the run folder's
+    completed rounds (empty: none, or nothing to resume); resumable keys never count."""
+    previous = path / "config.json"
+    if not previous.exists() or not (path / "committed.json").exists():
+        return []
+    old = json.loads(previous.read_text())
+    if old["fingerprint"] == config.fingerprint():
+        return []
+    return sorted(
+        key for key, value in config.to_flat().items()
+        if key not in RESUMABLE_KEYS and old["config"].get(key) != value
+    )
 
 
 class MetricsLog:
