@@ -1,6 +1,6 @@
 """Where a benchmark's measurements go: results/<name>.json, and results/<name>.md written from it.
 
-Every benchmark stores `provenance()` in its JSON when it measures, and renders its
+Every benchmark stores `provenance()` (sims/provenance.py) in its JSON when it measures, and renders its
 markdown from that JSON alone (`write_markdown`), so a table in results/*.md is never
 typed by hand and always says which commit and which mini recipe it was measured on.
 Re-rendering an old JSON keeps its original stamp; `--report` on a benchmark does only
@@ -8,41 +8,14 @@ that, so a change to how a result is presented never needs the measurement again
 """
 
 import json
-import platform
-import subprocess
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
+from sims.provenance import provenance  # noqa: F401 - the benchmarks take it from here
 
 RESULTS = Path(__file__).parents[1] / "results"
 REPORT_HELP = "only re-render the markdown from the JSON already written (measures nothing)"
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=RESULTS.parent, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def provenance() -> dict[str, Any]:
-    """What a measurement was taken on: commit (with '+dirty' for uncommitted changes), mini recipe, machine."""
-    from vlm.mini.recipe import MiniRecipe
-
-    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
-    return {
-        "commit": commit,
-        "mini_recipe": MiniRecipe().fingerprint(),
-        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
-    }
 
 
 def percent(value: float | None, digits: int = 1) -> str:
