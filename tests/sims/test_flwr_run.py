@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from attacks import Recording
-from attacks.replay import replay
 from sims.launch import installed_tools_environment, launch, stop_local_superlink
+from sims.sweep import main as sweep_main
 
 pytestmark = pytest.mark.flwr_run
 SIMS = Path(__file__).parents[2] / "sims"
@@ -39,16 +39,32 @@ def flwr_home(tmp_path_factory):
             os.environ[key] = value
 
 
-def test_usl_sim_finishes_with_two_round_trips_per_step_and_its_recording_replays(flwr_home, tmp_path):
-    overrides = {
-        "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 6, "train.rounds": 2,
-        "train.steps_per_round": 4, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 2,
-        "threat.model": "passive", "output.root": str(tmp_path), "output.name": "usl-smoke",
-    }
-    status, folder, process = launch(
-        SIMS / "usl_easyvqa", overrides, "num-supernodes=2 client-resources-num-cpus=1", timeout_s=240
-    )
-    assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+def test_a_sweep_runs_its_point_through_flwr_run_and_replays_the_recording(flwr_home, tmp_path):
+    """The sweep's default runner: the point's run goes through `flwr run` (two round trips per
+    USL step), and its attack replays on what the server recorded."""
+    sweep_file = tmp_path / "sweep.toml"
+    sweep_file.write_text(f"""
+[sweep]
+sim = "{SIMS / 'usl_easyvqa'}"
+[fixed]
+"model.profile" = "tiny"
+"data.train_limit" = 24
+"data.test_limit" = 6
+"train.rounds" = 2
+"train.steps_per_round" = 4
+"train.batch_size" = 4
+"eval.batch_size" = 4
+"eval.every" = 2
+"threat.model" = "passive"
+"threat.aux_limit" = 8
+[[grid]]
+name = "usl"
+product = {{ paradigm = ["usl"] }}
+[attacks.actinv]
+options = {{ iterations = 100, max_transfers = 2 }}
+""")
+    assert sweep_main(["run", str(sweep_file), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    folder = tmp_path / "out" / "runs" / "usl-usl"
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2]
     assert records[0]["round_trips_per_step"] == pytest.approx((2 * 4 + 1) / 4)
@@ -56,8 +72,8 @@ def test_usl_sim_finishes_with_two_round_trips_per_step_and_its_recording_replay
     # Under flwr run node ids are not partition ids; the run folder's nodes.json says which node held which.
     nodes = {e.client for e in Recording.open(folder).entries}
     assert len(nodes) == 2 and not nodes <= {1, 2}
-    result = replay(folder, "actinv", options={"iterations": 100, "max_transfers": 2, "progress": False}, aux_limit=8)
-    assert result.metrics["token_recall"] > 0.9
+    result = json.loads((folder / "attacks" / "actinv.json").read_text())
+    assert result["metrics"]["token_recall"] > 0.9
 
 
 def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home, tmp_path, assert_same_outcome):

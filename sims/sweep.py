@@ -1,0 +1,507 @@
+"""Sweeps: one file names many runs and the attacks replayed on each; runs resume, results stay.
+
+    qpriv-sweep run sims/sweeps/paradigms.toml [--runner flwr|inprocess] [--out DIR]
+    qpriv-sweep status sims/sweeps/paradigms.toml [--out DIR] [--points 'paradigms-*']
+    python -m sims.sweep run sims/sweeps/smoke.toml          # the same CLI
+
+A sweep file (TOML, or YAML; read with omegaconf) has these tables:
+
+    [sweep]    sim = "sims/usl_easyvqa"  the app whose declared config every point starts from
+               runner = "flwr"           or "inprocess" (--runner overrides)
+    [fixed]    run-config overrides for every point ("model.profile" = "mini", ...)
+    [dtp]      optional: pruning.prepare.PrepareSettings fields; the artefacts are prepared once into
+               <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them
+    [[grid]]   one part of the sweep (parts are concatenated), each with
+               name     a label, the start of its points' run names
+               fixed    overrides for this part's points
+               product  key -> list of values; every combination is a point
+               [[grid.zip]]  keys -> lists of one length, varied together as one axis ("label", if
+                        given, names the axis values in run names instead of the values)
+    [attacks.NAME]  replayed on every finished run it applies to:
+               options  the attack's options (`python -m attacks list`)
+               where    run-config key -> list of values a run must have (e.g. "threat.model")
+
+Every point's config is validated, and every existing run folder compared with its point,
+before the first run starts: a bad key or value names the point and the key, a point whose
+config changed since its run folder was written is refused naming the changed keys. The
+sweep folder (default ~/qpriv-sweeps/<file stem>) holds `runs/<point>/` (ordinary run
+folders, which `python -m attacks` and the results notebook read), `points/<point>.json`
+(each point's overrides, failures, seconds per run and attack, and the options its attack
+results were made with) and `sweep.json` (each start's points, commit and machine). A
+failed run or attack is recorded with its reason and the sweep goes on; running the same
+command again skips finished runs and attack results, resumes an interrupted run and retries
+failures. Attacks whose fit reads only public data (all but FSHA) are fitted once per public
+setting and replayed on every run of it.
+"""
+
+import argparse
+import fnmatch
+import itertools
+import json
+import os
+import re
+import sys
+import time
+import tomllib
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from attacks.base import Attack, attack_class, available_attacks
+from attacks.context import ATTACK_FOLDER
+from attacks.replay import fit_for_run, public_setting, replay
+from config import ConfigError, SimConfig, load_config
+from pruning import DTP_FILE, ORACLE_FILE
+from pruning.prepare import PrepareSettings, prepare_dtp
+from sims.launch import app_config, launch
+from sims.provenance import provenance
+from strategies.callbacks import changed_since_written
+
+RUNNERS = ("flwr", "inprocess")
+SECTIONS = ("sweep", "fixed", "dtp", "grid", "attacks")
+SWEEP_KEYS = ("sim", "runner")
+GRID_KEYS = ("name", "fixed", "product", "zip")
+ATTACK_KEYS = ("options", "where")
+LABEL = "label"
+SWEEP_STAMP = "sweep.json"
+NO_PRUNING = "off"
+
+
+class SweepError(ValueError):
+    """A sweep file or sweep folder that cannot run; the message names the point and the key."""
+
+
+@dataclass(frozen=True)
+class AttackPlan:
+    name: str
+    options: dict[str, Any]
+    where: dict[str, list[Any]]
+
+    def applies_to(self, config: Mapping[str, Any]) -> bool:
+        return all(config.get(key) in values for key, values in self.where.items())
+
+
+@dataclass
+class Point:
+    """One run of the sweep: its name, its overrides of the app's config and its resolved config."""
+
+    name: str
+    part: str
+    overrides: dict[str, Any]
+    config: SimConfig = field(repr=False)
+
+    @property
+    def folder(self) -> Path:
+        return self.config.run_folder()
+
+
+@dataclass
+class Sweep:
+    file: Path
+    sim: Path
+    runner: str
+    folder: Path
+    points: list[Point]
+    attacks: list[AttackPlan]
+    dtp: PrepareSettings | None
+
+    @property
+    def dtp_folder(self) -> Path:
+        return self.folder / "dtp"
+
+    def point_record(self, point: Point) -> Path:
+        return self.folder / "points" / f"{point.name}.json"
+
+
+# --- reading a sweep file ---------------------------------------------------------------------
+
+
+def read_sweep_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"no sweep file at {path}")
+    if path.suffix == ".toml":
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise SweepError(f"{path}: not valid TOML ({error})") from None
+        tree = OmegaConf.create(raw)
+    elif path.suffix in (".yaml", ".yml"):
+        tree = OmegaConf.load(path)
+    else:
+        raise SweepError(f"{path}: a sweep file is .toml, .yaml or .yml")
+    return OmegaConf.to_container(tree, resolve=True)
+
+
+def _unknown(where: str, found: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    unknown = sorted(set(found) - set(allowed))
+    if unknown:
+        raise SweepError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+
+
+def _table(where: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SweepError(f"{where}: must be a table, got {value!r}")
+    return dict(value)
+
+
+def _values(where: str, value: Any) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise SweepError(f"{where}: must be a non-empty list of values, got {value!r}")
+    return value
+
+
+def _slug(value: Any) -> str:
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def _axes(part: str, grid: Mapping[str, Any]) -> list[list[tuple[dict[str, Any], str]]]:
+    """Each axis as its list of (overrides, name fragment) choices."""
+    axes = []
+    for key, values in _table(f"grid {part!r}: product", grid.get("product")).items():
+        axes.append([({key: v}, _slug(v)) for v in _values(f"grid {part!r}: product.{key}", values)])
+    zips = grid.get("zip") or []
+    if not isinstance(zips, list):
+        raise SweepError(f"grid {part!r}: zip must be a list of tables ([[grid.zip]])")
+    for index, group in enumerate(zips):
+        group = _table(f"grid {part!r}: zip[{index}]", group)
+        lists = {key: _values(f"grid {part!r}: zip[{index}].{key}", v) for key, v in group.items()}
+        lengths = {key: len(v) for key, v in lists.items()}
+        if not lists or len(set(lengths.values())) != 1:
+            raise SweepError(f"grid {part!r}: zip[{index}] needs lists of one length, got {lengths}")
+        labels = lists.pop(LABEL, None)
+        choices = []
+        for i in range(next(iter(lengths.values()))):
+            overrides = {key: values[i] for key, values in lists.items()}
+            name = _slug(labels[i]) if labels else "-".join(_slug(v) for v in overrides.values())
+            choices.append((overrides, name))
+        axes.append(choices)
+    if not axes:
+        raise SweepError(f"grid {part!r}: empty grid (no product or zip axes); one run is `python -m sims.launch`")
+    return axes
+
+
+def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPlan]:
+    plans = []
+    for name, spec in _table("attacks", raw).items():
+        if name not in available_attacks():
+            raise SweepError(f"attacks.{name}: no such attack; registered: {', '.join(available_attacks())}")
+        spec = _table(f"attacks.{name}", spec)
+        _unknown(f"attacks.{name}", spec, ATTACK_KEYS)
+        options = _table(f"attacks.{name}.options", spec.get("options"))
+        allowed = [f.name for f in fields(attack_class(name).Options)]
+        _unknown(f"attacks.{name}.options", options, allowed)
+        where = {}
+        for key, values in _table(f"attacks.{name}.where", spec.get("where")).items():
+            if key not in known_keys:
+                raise SweepError(f"attacks.{name}.where: unknown run-config key {key!r}")
+            where[key] = _values(f"attacks.{name}.where.{key}", values)
+        plans.append(AttackPlan(name, options, where))
+    return plans
+
+
+def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path | None = None) -> Sweep:
+    """The sweep a file describes, every point validated; raises SweepError before any run."""
+    path = Path(path)
+    raw = read_sweep_file(path)
+    _unknown(str(path), raw, SECTIONS)
+    head = _table("sweep", raw.get("sweep"))
+    _unknown("sweep", head, SWEEP_KEYS)
+    if "sim" not in head:
+        raise SweepError("sweep.sim: missing; the app folder whose config the points start from, e.g. \"sims/usl_easyvqa\"")
+    # A relative sim is found from the working folder, else from the sweep file's folder upwards.
+    candidates = [Path(head["sim"]), *(parent / head["sim"] for parent in path.resolve().parents)]
+    sim = next((c for c in candidates if (c / "pyproject.toml").is_file()), candidates[0])
+    if not (sim / "pyproject.toml").is_file():
+        raise SweepError(f"sweep.sim: {head['sim']!r} is not a Flower App folder (no pyproject.toml)")
+    runner = runner or head.get("runner", "flwr")
+    if runner not in RUNNERS:
+        raise SweepError(f"sweep.runner: {runner!r}; allowed: {', '.join(RUNNERS)}")
+    folder = Path(out).expanduser() if out else Path.home() / "qpriv-sweeps" / path.stem
+    dtp = None
+    if raw.get("dtp") is not None:
+        settings = _table("dtp", raw["dtp"])
+        _unknown("dtp", settings, [f.name for f in fields(PrepareSettings)])
+        dtp = PrepareSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    fixed = _table("fixed", raw.get("fixed"))
+    grids = raw.get("grid")
+    if not grids:
+        raise SweepError(f"{path}: empty grid: no [[grid]] tables")
+    if not isinstance(grids, list):
+        raise SweepError(f"{path}: grid must be a list of tables ([[grid]])")
+    points: list[Point] = []
+    for index, grid in enumerate(grids):
+        grid = _table(f"grid[{index}]", grid)
+        part = str(grid.get("name", f"part{index}"))
+        _unknown(f"grid {part!r}", grid, GRID_KEYS)
+        part_fixed = _table(f"grid {part!r}: fixed", grid.get("fixed"))
+        for combination in itertools.product(*_axes(part, grid)):
+            varied = {k: v for overrides, _ in combination for k, v in overrides.items()}
+            name = "-".join([_slug(part), *(fragment for _, fragment in combination)])
+            overrides = {**fixed, **part_fixed, **varied,
+                         "output.root": str(folder / "runs"), "output.name": name}
+            if dtp is not None and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
+                overrides.setdefault("pruning.artifacts", str(folder / "dtp"))
+            points.append(Point(name, part, overrides, _point_config(name, sim, overrides, folder / "dtp")))
+    names = [p.name for p in points]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise SweepError(f"points share a run name: {duplicated}; give the parts distinct names or the zip axes labels")
+    attacks = _attack_plans(raw.get("attacks"), set(points[0].config.to_flat()))
+    sweep = Sweep(path, sim, runner, folder, points, attacks, dtp)
+    _check_existing(sweep)
+    return sweep
+
+
+def _point_config(name: str, sim: Path, overrides: dict[str, Any], dtp_folder: Path) -> SimConfig:
+    """The point's validated config. Until the sweep has prepared its DTP artefacts, a point using
+    them is checked on every other key (with pruning off), and again in full once they exist."""
+    try:
+        return load_config(app_config(sim, overrides))
+    except ConfigError as error:
+        waiting = error.key == "pruning.artifacts" and Path(str(error.value)) == dtp_folder
+        if not waiting:
+            raise SweepError(f"point {name}: {error}") from None
+    try:
+        return load_config(app_config(sim, {**overrides, "pruning.policy": NO_PRUNING, "pruning.ratio": 0.0}))
+    except ConfigError as error:
+        raise SweepError(f"point {name}: {error}") from None
+
+
+def _check_existing(sweep: Sweep) -> None:
+    """Refuse points whose run folders or attack results were made with other settings."""
+    for point in sweep.points:
+        changed = changed_since_written(point.config, point.folder)
+        if changed:
+            raise SweepError(
+                f"point {point.name}: its run folder {point.folder} was written with another value of "
+                f"{', '.join(changed)}; restore the sweep file or remove that run folder"
+            )
+        record = read_record(sweep, point)
+        for plan in sweep.attacks:
+            made_with = record.get("attacks", {}).get(plan.name, {}).get("options")
+            if made_with is not None and made_with != plan.options:
+                keys = sorted(k for k in set(made_with) | set(plan.options) if made_with.get(k) != plan.options.get(k))
+                raise SweepError(
+                    f"point {point.name}: its {plan.name} result was made with other attacks.{plan.name}.options "
+                    f"({', '.join(keys)}); restore them or delete {point.folder / ATTACK_FOLDER / plan.name}.json"
+                )
+
+
+# --- a point's state on disk ------------------------------------------------------------------
+
+
+def read_record(sweep: Sweep, point: Point) -> dict[str, Any]:
+    path = sweep.point_record(point)
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SweepError(f"point {point.name}: its record {path} is torn ({error.msg}); delete it "
+                         "(the run folder keeps the point's results) and start again") from None
+
+
+def _write_record(sweep: Sweep, point: Point, record: dict[str, Any]) -> None:
+    path = sweep.point_record(point)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+    os.replace(partial, path)
+
+
+def run_state(point: Point) -> dict[str, Any]:
+    """The run folder's status.json (state "pending" when the run never started)."""
+    path = point.folder / "status.json"
+    return json.loads(path.read_text()) if path.exists() else {"state": "pending"}
+
+
+def attack_done(point: Point, attack: str) -> bool:
+    return (point.folder / ATTACK_FOLDER / f"{attack}.json").is_file()
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def _run_point(sweep: Sweep, point: Point) -> dict[str, Any]:
+    """Run (or resume) the point with the sweep's runner; its status afterwards."""
+    if sweep.runner == "inprocess":
+        from sims.inprocess import run_in_process
+
+        try:
+            run_in_process(app_config(sweep.sim, point.overrides))
+        except Exception as error:  # noqa: BLE001 - a failed run is recorded and the sweep goes on
+            status = run_state(point)
+            if status.get("state") != "failed":
+                status = {"state": "failed", "error_type": type(error).__name__, "error": str(error),
+                          "traceback": traceback.format_exc()[-4000:]}
+            return status
+        return run_state(point)
+    federation = f"num-supernodes={point.config.clients.count}"
+    status, _, _ = launch(sweep.sim, point.overrides, federation)
+    return status
+
+
+def _stamp(sweep: Sweep) -> None:
+    """<sweep folder>/sweep.json: the file and sim, and per start its runner, the points it was
+    given and its provenance (the commit its runs were made with)."""
+    path = sweep.folder / SWEEP_STAMP
+    starts = json.loads(path.read_text()).get("starts", []) if path.exists() else []
+    sweep.folder.mkdir(parents=True, exist_ok=True)
+    start = {**provenance(), "runner": sweep.runner, "points": [p.name for p in sweep.points]}
+    stamp = {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(stamp, indent=2))
+    os.replace(partial, path)
+
+
+def _prepare_dtp(sweep: Sweep) -> None:
+    if sweep.dtp is None or all((sweep.dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
+        return
+    if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in sweep.points):
+        prepare_dtp(sweep.dtp, sweep.dtp_folder, progress=False)
+        for point in sweep.points:
+            point.config = _point_config(point.name, sweep.sim, point.overrides, sweep.dtp_folder)
+
+
+def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Run every point and replay its attacks; returns each point's final state."""
+    _stamp(sweep)
+    _prepare_dtp(sweep)
+    fitted: dict[tuple[str, str], Attack] = {}
+    states = {}
+    bar = tqdm(sweep.points, desc=f"sweep {sweep.file.stem}", unit="run", disable=not progress)
+    for point in bar:
+        record = read_record(sweep, point) or {}
+        record.update(part=point.part, overrides=point.overrides)
+        if run_state(point).get("state") != "finished":
+            bar.set_postfix_str(f"{point.name}: running")
+            started = time.perf_counter()
+            status = _run_point(sweep, point)
+            record["run"] = {k: status.get(k) for k in ("state", "error_type", "error") if k in status}
+            record["run"]["seconds"] = time.perf_counter() - started
+            _write_record(sweep, point, record)
+            if status.get("state") != "finished":
+                log(f"{point.name}: run {status.get('state')}: {status.get('error_type', '')} {status.get('error', '')}")
+                states[point.name] = "failed"
+                continue
+        record["run"] = {**record.get("run", {}), "state": "finished"}
+        record["run"].pop("error", None), record["run"].pop("error_type", None)
+        flat = point.config.to_flat()
+        attacks = record.setdefault("attacks", {})
+        for plan in sweep.attacks:
+            if not plan.applies_to(flat) or attack_done(point, plan.name):
+                continue
+            bar.set_postfix_str(f"{point.name}: {plan.name}")
+            options = {"progress": False, **plan.options} if "progress" in {
+                f.name for f in fields(attack_class(plan.name).Options)} else dict(plan.options)
+            started = time.perf_counter()
+            try:
+                if attack_class(plan.name).fit_reads_run:
+                    replay(point.folder, plan.name, options=options)
+                else:
+                    key = (plan.name, public_setting(point.config))
+                    if key not in fitted:
+                        fitted[key] = fit_for_run(point.folder, plan.name, options=options)
+                    replay(point.folder, fitted[key])
+                attacks[plan.name] = {"state": "finished", "options": plan.options,
+                                      "seconds": time.perf_counter() - started}
+            except Exception as error:  # noqa: BLE001 - a failed attack is recorded and the sweep goes on
+                attacks[plan.name] = {"state": "failed", "options": plan.options, "error_type": type(error).__name__,
+                                      "error": str(error), "traceback": traceback.format_exc()[-4000:]}
+                log(f"{point.name}: {plan.name} failed: {type(error).__name__}: {error}")
+            _write_record(sweep, point, record)
+        _write_record(sweep, point, record)
+        failed = [name for name, a in attacks.items() if a.get("state") == "failed"]
+        states[point.name] = "attacks failed" if failed else "finished"
+    return states
+
+
+def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
+    """Per point: the run's state and rounds, the attacks done, failed and still to run."""
+    rows = []
+    for point in sweep.points:
+        status, record = run_state(point), read_record(sweep, point)
+        applicable = [p.name for p in sweep.attacks if p.applies_to(point.config.to_flat())]
+        failed = [a for a in applicable
+                  if record.get("attacks", {}).get(a, {}).get("state") == "failed" and not attack_done(point, a)]
+        rows.append({
+            "point": point.name,
+            "run": status.get("state"),
+            "round": f"{status.get('round', status.get('rounds', 0) if status.get('state') == 'finished' else 0)}"
+                     f"/{point.config.train.rounds}",
+            "attacks done": ",".join(a for a in applicable if attack_done(point, a)) or "-",
+            "failed": ",".join(failed) or "-",
+            "to run": ",".join(a for a in applicable if not attack_done(point, a) and a not in failed) or "-",
+            "reason": _reason(status if status.get("error") else record.get("run", {}))[:200],
+        })
+    return rows
+
+
+def _reason(failure: Mapping[str, Any]) -> str:
+    """One line: the error's type and message (for a client's fault, the last line of the
+    traceback it sent, which names the client's own exception)."""
+    error = str(failure.get("error") or "").strip()
+    if not error:
+        return ""
+    lines = error.splitlines()
+    return lines[-1].strip() if len(lines) > 1 else f"{failure.get('error_type', 'error')}: {error}"
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
+    print("  ".join(k.ljust(w) for k, w in widths.items()))
+    for row in rows:
+        print("  ".join(str(row[k]).ljust(w) for k, w in widths.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qpriv-sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("run", "run (or resume) every point and replay its attacks"),
+                            ("status", "each point's state")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("file", help="a sweep file (.toml, .yaml)")
+        command.add_argument("--out", help="the sweep folder (default ~/qpriv-sweeps/<file stem>)")
+        command.add_argument("--points", action="append", metavar="PATTERN",
+                             help="only the points whose run names match this shell pattern; repeatable")
+        if name == "run":
+            command.add_argument("--runner", choices=RUNNERS,
+                                 help="flwr: each run through `flwr run` (default); inprocess: the same apps in this process")
+            command.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.file, runner=getattr(args, "runner", None), out=args.out)
+    except SweepError as error:
+        print(f"qpriv-sweep: {error}", file=sys.stderr)
+        return 2
+    if args.points:
+        sweep.points = [p for p in sweep.points if any(fnmatch.fnmatchcase(p.name, pat) for pat in args.points)]
+        if not sweep.points:
+            print(f"qpriv-sweep: no point matches {args.points}", file=sys.stderr)
+            return 2
+    if args.command == "status":
+        print(f"sweep folder: {sweep.folder}")
+        _print_table(status_rows(sweep))
+        return 0
+    print(f"sweep folder: {sweep.folder} ({len(sweep.points)} points, runner {sweep.runner})")
+    states = run_sweep(sweep, progress=not args.no_progress)
+    failed = {name: state for name, state in states.items() if state != "finished"}
+    print(f"{len(states) - len(failed)} of {len(states)} points finished" +
+          (f"; not: {', '.join(f'{n} ({s})' for n, s in failed.items())}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
