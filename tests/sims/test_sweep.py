@@ -1,0 +1,211 @@
+"""Sweeps: a file's points and their validation, before any run; and the shipped smoke sweep run
+in process, resumed, and drawn by the results notebook headless (what CI runs)."""
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from sims import results as R
+from sims.sweep import SweepError, load_sweep, run_sweep, status_rows
+from sims.sweep import main as sweep_main
+
+REPOSITORY = Path(__file__).parents[2]
+SMOKE = REPOSITORY / "sims" / "sweeps" / "smoke.toml"
+NOTEBOOK = REPOSITORY / "notebooks" / "results.ipynb"
+SIM = str(REPOSITORY / "sims" / "usl_easyvqa")
+
+TINY = """
+[sweep]
+sim = "{sim}"
+runner = "inprocess"
+
+[fixed]
+"model.profile" = "tiny"
+"data.train_limit" = 12
+"data.test_limit" = 4
+"train.rounds" = 1
+"train.steps_per_round" = 1
+"train.batch_size" = 4
+"eval.batch_size" = 4
+"""
+
+
+def sweep_file(tmp_path: Path, body: str, name: str = "sweep.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(TINY.format(sim=SIM) + body)
+    return path
+
+
+def refusal(tmp_path: Path, body: str) -> str:
+    with pytest.raises(SweepError) as error:
+        load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out")
+    return str(error.value)
+
+
+def test_points_are_the_product_of_the_axes_times_each_zip_group(tmp_path):
+    sweep = load_sweep(sweep_file(tmp_path, """
+[[grid]]
+name = "grid"
+fixed = { "threat.model" = "passive" }
+[grid.product]
+paradigm = ["sl", "usl"]
+"train.lr" = [0.001, 0.0005]
+[[grid.zip]]
+label = ["off", "half"]
+"pruning.policy" = ["off", "fixed"]
+"pruning.ratio" = [0.0, 0.5]
+"""), out=tmp_path / "out")
+    assert len(sweep.points) == 2 * 2 * 2
+    names = [p.name for p in sweep.points]
+    assert names[:2] == ["grid-sl-0.001-off", "grid-sl-0.001-half"]
+    half = sweep.points[1]
+    assert (half.config.pruning.policy, half.config.pruning.ratio, half.config.threat.model) == ("fixed", 0.5, "passive")
+    assert half.folder == tmp_path / "out" / "runs" / "grid-sl-0.001-half"
+    assert half.config.model.profile == "tiny"  # the file's fixed keys over the app's defaults
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[typo]\nx = 1\n", "unknown key 'typo'"),
+    ("", "empty grid"),
+    ("[[grid]]\nname = \"g\"\n", "grid 'g': empty grid"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [] }\n", "product.paradigm: must be a non-empty list"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"xl\"] }\n", "point g-xl: run config paradigm='xl'"),
+    ("[[grid]]\nname = \"g\"\nproduct = { \"train.lrr\" = [0.1] }\n", "point g-0.1: run config train.lrr"),
+    ("[[grid]]\nname = \"g\"\n[[grid.zip]]\nparadigm = [\"sl\", \"usl\"]\n\"train.lr\" = [0.1]\n", "lists of one length"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.forra]\n", "attacks.forra: no such attack"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\noptions = { steps = 3 }\n",
+     "attacks.fora.options: unknown key 'steps'"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\nwhere = { \"threat.mode\" = [\"passive\"] }\n",
+     "unknown run-config key 'threat.mode'"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"sl\"] }\n", "points share a run name"),
+])
+def test_a_bad_sweep_file_is_refused_naming_the_point_and_the_key(tmp_path, body, expected):
+    assert expected in refusal(tmp_path, body)
+
+
+def test_a_point_whose_config_changed_since_its_run_folder_was_written_is_refused(tmp_path):
+    body = "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n"
+    point = load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out").points[0]
+    point.folder.mkdir(parents=True)
+    written = {**point.config.to_flat(), "train.lr": 0.123}
+    (point.folder / "config.json").write_text(json.dumps({"config": written, "fingerprint": "other"}))
+    (point.folder / "committed.json").write_text(json.dumps({"round": 1}))
+    assert "another value of train.lr" in refusal(tmp_path, body)
+    # A key that may change on resume (more rounds) is not a change.
+    written = {**point.config.to_flat(), "train.rounds": 7}
+    (point.folder / "config.json").write_text(json.dumps({"config": written, "fingerprint": "other"}))
+    load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out")
+
+
+def test_a_failed_run_is_recorded_with_its_reason_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    # No mini model in this (empty) cache: that point fails fast, the tiny one still runs.
+    monkeypatch.setenv("QPRIV_CACHE_DIR", str(tmp_path / "empty-cache"))
+    sweep = load_sweep(sweep_file(tmp_path, """
+[[grid]]
+name = "g"
+[[grid.zip]]
+paradigm = ["cl", "cl"]
+"clients.count" = [1, 1]
+"model.profile" = ["mini", "tiny"]
+"""), out=tmp_path / "out")
+    logged = []
+    states = run_sweep(sweep, progress=False, log=logged.append)
+    assert states == {"g-cl-1-mini": "failed", "g-cl-1-tiny": "finished"}
+    record = json.loads((tmp_path / "out" / "points" / "g-cl-1-mini.json").read_text())
+    assert record["run"]["state"] == "failed" and "qpriv-mini build" in record["run"]["error"]
+    assert logged and "g-cl-1-mini" in logged[0]
+    rows = {row["point"]: row for row in status_rows(sweep)}
+    assert rows["g-cl-1-mini"]["run"] == "failed"
+    assert "ModelNotAvailableError: the mini model (base stage) is not built" in rows["g-cl-1-mini"]["reason"]
+    assert rows["g-cl-1-tiny"]["run"] == "finished"
+    assert json.loads((tmp_path / "out" / "sweep.json").read_text())["starts"][0]["commit"]
+
+
+def test_the_loader_lists_a_run_folder_missing_or_tearing_a_file_as_incomplete(tmp_path):
+    for name in ("no-status", "torn-metrics"):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps({"config": {"paradigm": "sl"}, "fingerprint": "x"}))
+    (tmp_path / "torn-metrics" / "status.json").write_text(json.dumps({"state": "running"}))
+    (tmp_path / "torn-metrics" / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2, "test_acc')
+    loaded = R.load_results(tmp_path)
+    assert loaded.runs.empty
+    reasons = dict(zip(loaded.incomplete["run"], loaded.incomplete["reason"]))
+    assert reasons == {"no-status": "no status.json", "torn-metrics": "metrics.jsonl line 2 is torn"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The shipped smoke sweep, run in process (a few minutes on 2 cores)."""
+    out = tmp_path_factory.mktemp("smoke")
+    exit_code = sweep_main(["run", str(SMOKE), "--out", str(out), "--no-progress"])
+    return load_sweep(SMOKE, out=out), exit_code
+
+
+def test_the_smoke_sweep_finishes_every_point_and_replays_every_attack_that_applies(smoke):
+    sweep, exit_code = smoke
+    assert exit_code == 0
+    loaded = R.load_results(sweep.folder)
+    assert loaded.incomplete.empty and len(loaded.runs) == len(sweep.points)
+    assert set(loaded.finished()["paradigm"]) == {"cl", "fl", "sl", "usl"}
+    attacks = loaded.attacks
+    assert set(attacks[attacks["threat"] == "passive"]["attack"]) == {"fora", "sara", "actinv", "idlg", "mia"}
+    assert set(attacks[attacks["threat"] == "active-fsha"]["attack"]) == {"fsha"}
+    # The pruned points ran with the sweep's prepared DTP artefacts.
+    dtp = loaded.runs[loaded.runs["policy"] == "dtp"].iloc[0]
+    assert dtp["config"]["pruning.artifacts"] == str(sweep.dtp_folder)
+    assert dtp["kept_tokens_mean"] < loaded.runs[loaded.runs["policy"] == "off"].iloc[0]["kept_tokens_mean"]
+
+
+def test_a_second_start_skips_what_is_done_and_resumes_an_interrupted_run(smoke):
+    sweep, _ = smoke
+    point = next(p for p in sweep.points if p.config.threat.model == "passive")
+    results = point.folder / "attacks"
+    before = {path.name: path.stat().st_mtime_ns for path in results.iterdir()}
+    metrics = (point.folder / "metrics.jsonl").read_text()
+    (results / "mia.json").unlink()
+    (point.folder / "status.json").write_text(json.dumps({"state": "running", "round": 1}))  # killed mid-run
+    again = load_sweep(SMOKE, out=sweep.folder)
+    assert set(run_sweep(again, progress=False).values()) == {"finished"}
+    after = {path.name: path.stat().st_mtime_ns for path in results.iterdir()}
+    assert {name for name in after if after[name] != before.get(name)} == {"mia.json", "mia.safetensors"}
+    # Every round had been committed: the resumed run trains nothing again.
+    assert (point.folder / "metrics.jsonl").read_text() == metrics
+    assert json.loads((point.folder / "status.json").read_text())["state"] == "finished"
+
+
+def test_an_attack_result_made_with_other_options_is_refused_naming_them(smoke, tmp_path):
+    sweep, _ = smoke
+    text = SMOKE.read_text()
+    changed = text.replace("substitute_steps = 4, decoder_steps = 8", "substitute_steps = 4, decoder_steps = 9")
+    assert changed != text
+    (tmp_path / "smoke.toml").write_text(changed)
+    with pytest.raises(SweepError, match=r"other attacks.fora.options \(decoder_steps\)"):
+        load_sweep(tmp_path / "smoke.toml", out=sweep.folder)
+
+
+def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_every_figure(smoke, tmp_path):
+    sweep, _ = smoke
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    os.environ["QPRIV_RESULTS"] = str(sweep.folder)
+    try:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(REPOSITORY)}}).execute()
+    finally:
+        del os.environ["QPRIV_RESULTS"]
+    figures = [cell for cell in notebook.cells if cell.cell_type == "code" and "show(figure)" in cell.source.splitlines()]
+    assert len(figures) >= 8
+    for cell in figures:
+        assert any("image/png" in output.get("data", {}) for output in cell.outputs), cell.source[:80]
+    claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.claims" in c.source)
+    assert "holds" in json.dumps(claims.outputs)
+
+
+def test_the_shipped_sweeps_validate(tmp_path):
+    for name in ("paradigms", "pruning-attacks", "smoke"):
+        sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
+        assert sweep.points
+    assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
