@@ -46,10 +46,19 @@ def test_provenance_names_the_commit_and_the_current_recipe():
     assert stamp["commit"] and stamp["measured"] and stamp["machine"]
 
 
-@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "attack_results", "paradigm_costs"])
+@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "paradigm_costs"])
 def test_the_committed_markdown_is_what_report_renders_from_the_committed_json(name, tmp_path):
     script = importlib.import_module(name)
     rendered = script.render_report(json.loads((RESULTS / f"{name}.json").read_text()), tmp_path)
     assert rendered.read_bytes() == (RESULTS / f"{name}.md").read_bytes(), (
         f"results/{name}.md differs from its JSON: run `python benchmarks/{name}.py --report`"
+    )
+
+
+@pytest.mark.parametrize("name", ["paradigms", "pruning_attacks"])
+def test_the_committed_sweep_markdown_is_what_report_renders_from_the_committed_json(name, tmp_path):
+    script = importlib.import_module("sweep_results")
+    rendered = script.render_report(json.loads((RESULTS / f"{name}.json").read_text()), tmp_path, name)
+    assert rendered.read_bytes() == (RESULTS / f"{name}.md").read_bytes(), (
+        f"results/{name}.md differs from its JSON: run `python benchmarks/sweep_results.py {name.replace('_', '-')} --report`"
     )

@@ -68,6 +68,21 @@ label = ["off", "half"]
     assert half.config.model.profile == "tiny"  # the file's fixed keys over the app's defaults
 
 
+def test_a_yaml_sweep_file_gives_the_same_points_as_its_toml(tmp_path):
+    toml = sweep_file(tmp_path, "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"usl\"] }\n")
+    yaml = tmp_path / "sweep.yaml"
+    yaml.write_text(f"""
+sweep: {{sim: "{SIM}", runner: inprocess}}
+fixed: {{model.profile: tiny, data.train_limit: 12, data.test_limit: 4, train.rounds: 1,
+        train.steps_per_round: 1, train.batch_size: 4, eval.batch_size: 4}}
+grid:
+  - name: g
+    product: {{paradigm: [sl, usl]}}
+""")
+    from_toml, from_yaml = (load_sweep(path, out=tmp_path / "out") for path in (toml, yaml))
+    assert [(p.name, p.config) for p in from_yaml.points] == [(p.name, p.config) for p in from_toml.points]
+
+
 @pytest.mark.parametrize("body, expected", [
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[typo]\nx = 1\n", "unknown key 'typo'"),
     ("", "empty grid"),

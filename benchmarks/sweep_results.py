@@ -1,0 +1,153 @@
+"""The shipped mini sweeps' tables, from their run folders, as results/<name>.md.
+
+    qpriv-sweep run sims/sweeps/paradigms.toml && python benchmarks/sweep_results.py paradigms
+    qpriv-sweep run sims/sweeps/pruning-attacks.toml && python benchmarks/sweep_results.py pruning-attacks
+    python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
+
+Reads the sweep folder (default ~/qpriv-sweeps/<name>; --sweep) through sims/results.py, the
+loader the results notebook draws from, so the notebook's tables and these are the same
+numbers. Writes results/<name>.json (the tables, the sweep's time per run and attack, and the
+provenance the sweep stamped when it started: the commit its runs were made with) and renders
+results/<name>.md from it.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from sims import results as R
+from sims.sweep import SWEEP_STAMP
+
+from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
+
+SWEEPS = ("paradigms", "pruning-attacks")
+COMMAND = "python benchmarks/sweep_results.py"
+
+
+def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return json.loads(frame.to_json(orient="records")) if not frame.empty else []
+
+
+def sweep_seconds(folder: Path) -> dict[str, Any]:
+    """Seconds per point (its run and each attack) from the sweep's point records, and the total."""
+    per_point = {}
+    for path in sorted((folder / "points").glob("*.json")):
+        record = json.loads(path.read_text())
+        per_point[path.stem] = {"run": record.get("run", {}).get("seconds"),
+                                **{name: a.get("seconds") for name, a in record.get("attacks", {}).items()}}
+    total = sum(v for point in per_point.values() for v in point.values() if v is not None)
+    return {"per_point": per_point, "total_s": total}
+
+
+def measure(name: str, folder: Path) -> dict[str, Any]:
+    results = R.load_results(folder)
+    stamp = json.loads((folder / SWEEP_STAMP).read_text())
+    tables: dict[str, Any] = {"incomplete": records(results.incomplete)}
+    if name == "paradigms":
+        tables["paradigms"] = records(R.paradigm_table(results))
+        per_round = results.rounds.merge(results.runs[["run", "paradigm"]], on="run")
+        tables["rounds"] = records(per_round[["paradigm", "round", "test_accuracy", "train_loss"]])
+    else:
+        tables["pruning"] = records(R.pruning_table(results))
+        tables["attacks"] = records(R.attack_table(results))
+        mia = results.attacks[results.attacks["attack"] == "mia"]
+        tables["mia"] = records(mia[["paradigm", "policy", "attack_success", "auc", "tpr_at_fpr_0.01",
+                                     "tpr_at_fpr_0.001"]])
+        tables["baselines"] = records(
+            results.attacks[results.attacks["attack"].isin(R.IMAGE_ATTACKS)]
+            .groupby("paradigm")[["baseline_psnr", "baseline_ssim", "mark_readback_chance", "mark_readback_originals"]]
+            .mean().reset_index())
+        tables["claims"] = {p: records(R.claims(results, p)) for p in sorted(set(results.attacks["paradigm"]))}
+    starts = stamp["starts"]
+    commits = list(dict.fromkeys(start["commit"] for start in starts))
+    provenance = {**starts[0], "commit": ", ".join(commits),
+                  "measured": f"{starts[0]['measured']}, the first of {len(starts)} starts" if len(starts) > 1
+                  else starts[0]["measured"]}
+    provenance.pop("points", None), provenance.pop("runner", None)
+    return {"provenance": provenance, "starts": len(starts), "sweep": Path(stamp["file"]).name,
+            "runs": len(results.runs), "finished": int((results.runs["state"] == "finished").sum()),
+            "seconds": sweep_seconds(folder), "tables": tables}
+
+
+def _f(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "paradigms") -> Path:
+    tables = data["tables"]
+    minutes = data["seconds"]["total_s"] / 60
+    lines = [f"Sweep `{data['sweep']}`: {data['finished']} of {data['runs']} runs finished; runs and attacks "
+             f"took {minutes:.0f} minutes in all (sum of the points' seconds, {data['starts']} start(s)). "
+             "The figures are in `notebooks/results.ipynb`."]
+    if data.get("load"):
+        lines += ["", f"Load while measuring: {data['load']}"]
+    if tables.get("incomplete"):
+        lines += ["", "Incomplete run folders: " + ", ".join(f"{r['run']} ({r['reason']})" for r in tables["incomplete"])]
+    if "paradigms" in tables:
+        lines += ["", "## Paradigms", "", markdown_table(
+            ["paradigm", "clients", "steps in sequence", "test acc.", "train loss", "MiB up / round",
+             "MiB down / round", "round trips / step", "wall s"],
+            [[r["paradigm"].upper(), r["clients"], r["steps"], percent(r["test_accuracy"]), _f(r["train_loss"], ".3f"),
+              _f(r["MiB_up_per_round"], ".2f"), _f(r["MiB_down_per_round"], ".2f"),
+              _f(r["round_trips_per_step"], ".2f"), _f(r["wall_s"], ".0f")] for r in tables["paradigms"]])]
+        lines += ["", "Steps in sequence: optimiser steps taken one after another (FL's clients step in parallel, "
+                  "SL's and USL's take turns; every client takes `train.steps_per_round` per round). Bytes are the "
+                  "serialised payloads on the wire (CL: evaluation traffic only); a round trip is one message to a "
+                  "client and its reply.", "", "Test accuracy per round:", "", markdown_table(
+            ["paradigm", "round", "test acc.", "train loss"],
+            [[r["paradigm"].upper(), r["round"], percent(r["test_accuracy"]), _f(r["train_loss"], ".3f")]
+             for r in tables["rounds"]])]
+    if "pruning" in tables:
+        lines += ["", "## Pruning (passive server)", "", markdown_table(
+            ["paradigm", "policy", "test acc.", "kept tokens", "MiB up / round", "patches removed",
+             "mark patches removed", "exclusion ratio"],
+            [[r["paradigm"].upper(), r["policy"], percent(r["test_accuracy"]), _f(r["kept_tokens_mean"], ".1f"),
+              _f(r["MiB_up_per_round"], ".1f"), percent(r["patches_removed_share"]),
+              percent(r["mark_patches_removed_share"]), _f(r["exclusion_ratio"], ".2f")] for r in tables["pruning"]])]
+        lines += ["", "## Attacks", "", "PSNR in dB; mark: the stamped digit read back from the reconstruction; "
+                  "ActInv: question-token recall; iDLG: answer accuracy; MIA: attack success.", "", markdown_table(
+            ["paradigm", "policy", "kept tokens", "FORA dB", "FSHA dB", "SARA dB", "mark FORA / FSHA", "ActInv recall",
+             "iDLG acc.", "MIA success"],
+            [[r["paradigm"].upper(), r["policy"], _f(r.get("kept_tokens_mean"), ".1f"), _f(r.get("fora_psnr"), ".1f"),
+              _f(r.get("fsha_psnr"), ".1f"), _f(r.get("sara_psnr"), ".1f"),
+              f"{_f(r.get('fora_mark_readback'), '.2f')} / {_f(r.get('fsha_mark_readback'), '.2f')}",
+              _f(r.get("actinv_token_recall"), ".2f"), _f(r.get("idlg_label_accuracy"), ".2f"),
+              _f(r.get("mia_attack_success"), ".2f")] for r in tables["attacks"]])]
+        lines += [""] + [
+            f"- {r['paradigm'].upper()}: mean public image {r['baseline_psnr']:.1f} dB (SSIM {r['baseline_ssim']:.2f}); "
+            f"mark read-back chance {r['mark_readback_chance']:.2f}, from the original images "
+            f"{r['mark_readback_originals']:.2f}." for r in tables["baselines"]]
+        lines += ["", "MIA at low false-positive rates:", "", markdown_table(
+            ["paradigm", "policy", "success", "AUC", "TPR @ 1% FPR", "TPR @ 0.1% FPR"],
+            [[r["paradigm"].upper(), r["policy"], _f(r["attack_success"], ".3f"), _f(r["auc"], ".3f"),
+              _f(r["tpr_at_fpr_0.01"], ".3f"), _f(r["tpr_at_fpr_0.001"], ".3f")] for r in tables["mia"]])]
+        for paradigm, rows in tables["claims"].items():
+            lines += ["", f"## The papers' claims, {paradigm.upper()}", "", markdown_table(
+                ["claim", "paper", "measured", "verdict", "rule / reason"],
+                [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
+    return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],
+                          command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=SWEEPS)
+    parser.add_argument("--sweep", type=Path, help="the sweep folder (default ~/qpriv-sweeps/<name>)")
+    parser.add_argument("--load", default="", help="what else ran on the machine while the sweep ran (kept in the JSON)")
+    parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    args = parser.parse_args()
+    result_name = args.name.replace("-", "_")
+    if not args.report:
+        folder = (args.sweep or Path.home() / "qpriv-sweeps" / args.name).expanduser()
+        if not (folder / SWEEP_STAMP).exists():
+            raise SystemExit(f"{folder} is not a sweep folder: run `qpriv-sweep run sims/sweeps/{args.name}.toml` first")
+        write_json(result_name, {**measure(args.name, folder), "load": args.load})
+    path = render_report(read_json(result_name), RESULTS, result_name)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
