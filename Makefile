@@ -1,5 +1,5 @@
 # Each target sets up .venv on first use (scripts/setup.sh), so a fresh machine needs only `make`.
-.PHONY: setup test run mini-targets attack-results
+.PHONY: setup test run mini-targets sweeps
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,9 @@ run: setup
 mini-targets: setup
 	.venv/bin/python benchmarks/mini_targets.py
 
-attack-results: setup
+sweeps: setup
 	.venv/bin/qpriv-mini build
-	.venv/bin/python benchmarks/attack_results.py
+	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml
+	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml
+	.venv/bin/python benchmarks/sweep_results.py paradigms
+	.venv/bin/python benchmarks/sweep_results.py pruning-attacks
