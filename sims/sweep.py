@@ -390,11 +390,12 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
             record["run"]["seconds"] = time.perf_counter() - started
             _write_record(sweep, point, record)
             if status.get("state") != "finished":
-                log(f"{point.name}: run {status.get('state')}: {status.get('error_type', '')} {status.get('error', '')}")
+                log(f"{point.name}: run {status.get('state')}: {_reason(status)}")
                 states[point.name] = "failed"
                 continue
         record["run"] = {**record.get("run", {}), "state": "finished"}
-        record["run"].pop("error", None), record["run"].pop("error_type", None)
+        for stale in ("error", "error_type"):
+            record["run"].pop(stale, None)
         flat = point.config.to_flat()
         attacks = record.setdefault("attacks", {})
         for plan in sweep.attacks:
