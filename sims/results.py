@@ -64,20 +64,12 @@ def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
             found.append(path)
         elif path.is_dir():
             found.extend(sorted(p.parent for p in path.rglob("config.json") if (p.parent / "checkpoints").is_dir()))
-    unique = []
-    for folder in found:
-        if folder not in unique:
-            unique.append(folder)
-    return unique
+    return list(dict.fromkeys(found))
 
 
 def policy_label(policy: str, ratio: float) -> str:
     """The pruning policy as the papers name it: off, fixed-0.5, dtp, oracle."""
     return f"fixed-{ratio:g}" if policy == "fixed" else policy
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -87,7 +79,7 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
         if not path.exists():
             raise ValueError(f"no {name}")
         try:
-            return _read_json(path)
+            return json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"{name} is torn ({error.msg} at line {error.lineno})") from None
 
@@ -135,7 +127,7 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
     attack_folder = folder / ATTACK_FOLDER
     for path in sorted(attack_folder.glob("*.json")) if attack_folder.exists() else []:
         try:
-            result = _read_json(path)
+            result = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise ValueError(f"{ATTACK_FOLDER}/{path.name} is torn") from None
         attack_rows.append({"run": name, "attack": result.get("attack", path.stem), **result.get("metrics", {})})

@@ -38,7 +38,6 @@ import argparse
 import fnmatch
 import itertools
 import json
-import os
 import re
 import sys
 import time
@@ -58,9 +57,10 @@ from attacks.replay import fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
 from pruning import DTP_FILE, ORACLE_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
+from sims.inprocess import run_in_process
 from sims.launch import app_config, launch
 from sims.provenance import provenance
-from strategies.callbacks import changed_since_written
+from strategies.callbacks import changed_since_written, write_json_atomically
 
 RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "grid", "attacks")
@@ -313,9 +313,7 @@ def read_record(sweep: Sweep, point: Point) -> dict[str, Any]:
 def _write_record(sweep: Sweep, point: Point, record: dict[str, Any]) -> None:
     path = sweep.point_record(point)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
-    os.replace(partial, path)
+    write_json_atomically(path, record)
 
 
 def run_state(point: Point) -> dict[str, Any]:
@@ -334,8 +332,6 @@ def attack_done(point: Point, attack: str) -> bool:
 def _run_point(sweep: Sweep, point: Point) -> dict[str, Any]:
     """Run (or resume) the point with the sweep's runner; its status afterwards."""
     if sweep.runner == "inprocess":
-        from sims.inprocess import run_in_process
-
         try:
             run_in_process(app_config(sweep.sim, point.overrides))
         except Exception as error:  # noqa: BLE001 - a failed run is recorded and the sweep goes on
@@ -357,10 +353,7 @@ def _stamp(sweep: Sweep) -> None:
     starts = json.loads(path.read_text()).get("starts", []) if path.exists() else []
     sweep.folder.mkdir(parents=True, exist_ok=True)
     start = {**provenance(), "runner": sweep.runner, "points": [p.name for p in sweep.points]}
-    stamp = {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]}
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(stamp, indent=2))
-    os.replace(partial, path)
+    write_json_atomically(path, {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]})
 
 
 def _prepare_dtp(sweep: Sweep) -> None:
@@ -434,11 +427,11 @@ def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
         applicable = [p.name for p in sweep.attacks if p.applies_to(point.config.to_flat())]
         failed = [a for a in applicable
                   if record.get("attacks", {}).get(a, {}).get("state") == "failed" and not attack_done(point, a)]
+        done = status.get("rounds") if status.get("state") == "finished" else status.get("round", 0)
         rows.append({
             "point": point.name,
             "run": status.get("state"),
-            "round": f"{status.get('round', status.get('rounds', 0) if status.get('state') == 'finished' else 0)}"
-                     f"/{point.config.train.rounds}",
+            "round": f"{done}/{point.config.train.rounds}",
             "attacks done": ",".join(a for a in applicable if attack_done(point, a)) or "-",
             "failed": ",".join(failed) or "-",
             "to run": ",".join(a for a in applicable if not attack_done(point, a) and a not in failed) or "-",

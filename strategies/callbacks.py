@@ -22,7 +22,8 @@ from config import RESUMABLE_KEYS, SimConfig
 from training.protocol import NODE_PARTITIONS_FILE
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json_atomically(path: Path, data: Any) -> None:
+    """`data` as JSON at `path`, never torn: written beside it, then moved over it."""
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(data, indent=2, sort_keys=True))
     os.replace(partial, path)
@@ -52,7 +53,7 @@ class RunFolder:
                 f"run folder {path} was written by a different config (changed: {changed}); only "
                 f"{', '.join(RESUMABLE_KEYS)} may change on resume — use another output.name"
             )
-        _write_json(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
+        write_json_atomically(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
 
     def committed_round(self) -> int:
         marker = self.path / "committed.json"
@@ -70,11 +71,11 @@ class RunFolder:
         starts' nodes, whose transfers its recording still holds."""
         path = self.path / NODE_PARTITIONS_FILE
         known = json.loads(path.read_text()) if path.exists() and self.committed_round() else {}
-        _write_json(path, {**known, **{str(node): partition for node, partition in partitions.items()}})
+        write_json_atomically(path, {**known, **{str(node): partition for node, partition in partitions.items()}})
 
     def write_status(self, state: str, **details: Any) -> None:
         status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model, **details}
-        _write_json(self.path / "status.json", status)
+        write_json_atomically(self.path / "status.json", status)
 
 
 def changed_since_written(config: SimConfig, path: Path) -> list[str]:
@@ -119,7 +120,7 @@ class Checkpointer:
         partial = target.with_suffix(".partial")
         torch.save(state, partial)
         os.replace(partial, target)
-        _write_json(self.folder.path / "committed.json", {"round": round_})
+        write_json_atomically(self.folder.path / "committed.json", {"round": round_})
         for old in sorted(self.folder.path.glob("checkpoints/round-*.pt"))[: -self.keep]:
             old.unlink()
 
