@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training import protocol
+from training.defenses import describe_defenses
 from wire.wire import DIRECTIONS, Transfer
 
 FORMAT_VERSION = 1
@@ -114,13 +115,14 @@ class Recorder:
 
     @classmethod
     def factory(cls, **cap: Any) -> Callable[[Any, Any], "Recorder"]:
-        """An OBSERVER_FACTORIES entry: a recorder in the run folder, headed by the run config."""
+        """An OBSERVER_FACTORIES entry: a recorder in the run folder, headed by the run config and
+        the defenses its clients applied to what it records."""
 
         def make(config: Any, run_folder: Any) -> Recorder:
             return cls(
                 Path(run_folder.path) / RECORDING_FOLDER,
                 committed_round=run_folder.committed_round(),
-                header={"config": config.to_flat()},
+                header={"config": config.to_flat(), "defenses": describe_defenses(config)},
                 **cap,
             )
 

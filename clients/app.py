@@ -79,7 +79,8 @@ def _usl_tail(client: USLClient, message: Message, wire: Wire) -> dict:
 
 
 def _eval_begin(client: SplitClient, message: Message, wire: Wire) -> dict:
-    result = client.eval_begin(int(_config(message)["batch"]))
+    config = _config(message)
+    result = client.eval_begin(int(config["round"]), int(config["batch"]))
     result["metrics"]["eval-batches"] = float(client.num_eval_batches())
     return result
 

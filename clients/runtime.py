@@ -24,11 +24,13 @@ from typing import Any
 import torch
 from flwr.app import Context
 
+from privacy import DefenseChain
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training import protocol
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
+from training.defenses import build_defenses
 from training.model import CLIENT, PARTY_OWNERS, PartyModel, load_party_model, make_optimizer
 from training.selector import build_selector
 from training.store import PrivateStore
@@ -47,12 +49,14 @@ ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
 @dataclass
 class KeptFront:
     """A training step's front, from its forward message to its backward one: the packed
-    activation at the first cut still in its autograd graph, and the decoder inputs
-    (labels included) that USL's tail step reuses."""
+    activation at the first cut still in its autograd graph (as the defenses left it), the
+    loss terms of LOSS-stage defenses (None: none), and the decoder inputs (labels
+    included) that USL's tail step reuses."""
 
     step: int
     inputs: DecoderInputs
     rows: torch.Tensor
+    defense_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ClientRuntime:
     test: list[EncodedSample]
     features: VisionFeatureCache
     selector: VisualTokenSelector
+    # The run's defenses at the cut (privacy.*), applied before anything reaches the wire.
+    defenses: DefenseChain
     # Stamped benchmark: the patches holding each stamped image's mark (empty otherwise).
     marks: dict[str, tuple[int, ...]]
     store: PrivateStore
@@ -268,6 +274,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
             cache_path=store.path("pruning-inputs.pt"),
             device=party.device,
         ),
+        defenses=build_defenses(config),
         store=store,
         owned=owned,
         adapter=adapter,

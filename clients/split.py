@@ -12,20 +12,28 @@ backward message, which backpropagates through it; USL's tail step reuses the ke
 inputs. A process without them for this step (a fresh one, in deployment) re-runs the
 front's forward on the same batch (the batch of step s is fixed by the seed, and the
 front's weights have not changed since), which gives the gradient the kept graph gives.
+
+The run's defenses (training.defenses) act here, before the wire: ACTIVATION and LOSS
+defenses on every activation the front sends (LOSS ones only in training, where their
+term joins the front's backward), GRADIENT defenses on the gradient a USL client
+returns at CB. Their random draws are keyed by (client, round, step), so a recomputed
+front sends what the first computation sent.
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from clients.runtime import ClientRuntime, KeptFront
+from privacy import ACTIVATION, EVAL, LOSS, TRAIN, DefenseSeed, Payload
 from pruning import PruningRecord
 from training import protocol
 from training.batches import EncodedSample, batch_positions, decoder_inputs
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
-from wire import WireError, pack_rows
+from wire import WireError, pack_rows, unpack_rows
 
 EVAL_SCRATCH = "eval-scratch.json"
 
@@ -34,6 +42,18 @@ def check_rows(what: str, rows: torch.Tensor, tokens: int) -> None:
     """The server must answer with one row per real token of this client's batch."""
     if rows.shape[0] != tokens:
         raise WireError(f"{what} from the server has {rows.shape[0]} rows; this batch has {tokens} tokens")
+
+
+@dataclass
+class Front:
+    """One batch through the client's front: what it sends (the packed activation at the first
+    cut after the defenses, in the graph), its lengths, the LOSS defenses' term, its inputs."""
+
+    inputs: DecoderInputs
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    defense_loss: torch.Tensor | None
+    pruned: PruningRecord
 
 
 class SplitClient:
@@ -63,34 +83,54 @@ class SplitClient:
         rt = self.rt
         return decoder_inputs(rt.model, rt.features, rt.selector, batch, answers, rt.party.device, rt.marks)
 
-    def front_forward(
-        self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor]
-    ) -> tuple[DecoderInputs, torch.Tensor, PruningRecord]:
+    def cut_activation(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor], seed: DefenseSeed) -> Front:
+        """The batch's activation at the first cut as it will be sent: the front, then the defenses."""
         inputs, pruned = self.inputs(batch, answers)
+        segment = self.front_segment
         hidden = run_decoder_layers(
-            self.rt.model,
-            inputs.hidden_states,
-            inputs.attention_mask,
-            inputs.position_ids,
-            self.front_segment.start,
-            self.front_segment.stop,
+            self.rt.model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, segment.start, segment.stop
         )
-        return inputs, hidden, pruned
+        rows, lengths = pack_rows(hidden, inputs.attention_mask)
+        stages = (ACTIVATION, LOSS) if seed.phase == TRAIN else (ACTIVATION,)
+        loss = None
+        if self.rt.defenses.acts_at(*stages):
+            input_rows, _ = pack_rows(inputs.hidden_states, inputs.attention_mask)
+            payload = Payload(rows, lengths, inputs=input_rows, front=self.front_function(lengths))
+            defended = self.rt.defenses.apply(stages, payload, seed)
+            rows, loss = defended.rows, defended.loss
+        return Front(inputs, rows, lengths, loss, pruned)
+
+    def front_function(self, lengths: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The front as a function of its packed input rows (what defenses that look through it use)."""
+        model, segment = self.rt.model, self.front_segment
+
+        def front(input_rows: torch.Tensor) -> torch.Tensor:
+            hidden, mask, positions = unpack_rows(input_rows, lengths)
+            return pack_rows(run_decoder_layers(model, hidden, mask, positions, segment.start, segment.stop), mask)[0]
+
+        return front
+
+    def seed(self, round_: int, step: int, phase: str = TRAIN) -> DefenseSeed:
+        return self.rt.defenses.seed_for(self.rt.partition_id, round_, step, phase)
 
     # -- training ------------------------------------------------------------------------
     def begin(self, round_: int, committed_round: int) -> dict:
         """Start of a turn: go back to the committed state, send the first activation."""
         self.rt.begin_turn(committed_round)
-        return self.forward_payload()
+        return self.forward_payload(round_)
 
-    def forward_payload(self) -> dict:
-        """Step t's front, kept with its graph for the backward message; reply its activation."""
+    def train_front(self, round_: int) -> tuple[list[EncodedSample], Front]:
         batch = self.train_batch()
-        inputs, hidden, pruned = self.front_forward(batch, [item.answer_ids for item in batch])
-        rows, lengths = pack_rows(hidden, inputs.attention_mask)
-        self.rt.kept_front = KeptFront(step=self.rt.step, inputs=inputs, rows=rows)
-        return {"tensors": {protocol.ROWS: rows.detach(), protocol.LENGTHS: lengths, **self.extra_forward_tensors(batch)},
-                "metrics": pruned.as_message_metrics()}
+        return batch, self.cut_activation(batch, [item.answer_ids for item in batch], self.seed(round_, self.rt.step))
+
+    def forward_payload(self, round_: int) -> dict:
+        """Step t's front, kept with its graph for the backward message; reply its activation."""
+        batch, front = self.train_front(round_)
+        self.rt.kept_front = KeptFront(step=self.rt.step, inputs=front.inputs, rows=front.rows,
+                                       defense_loss=front.defense_loss)
+        tensors = {protocol.ROWS: front.rows.detach(), protocol.LENGTHS: front.lengths,
+                   **self.extra_forward_tensors(batch)}
+        return {"tensors": tensors, "metrics": front.pruned.as_message_metrics()}
 
     def front_of_this_step(self) -> KeptFront | None:
         """This step's kept front, if this process computed it and nothing reloaded since."""
@@ -116,20 +156,23 @@ class SplitClient:
         rt.sync_private_state()
         kept = self.front_of_this_step()
         if kept is None:
-            batch = self.train_batch()
-            inputs, hidden, _ = self.front_forward(batch, [item.answer_ids for item in batch])
-            rows, _ = pack_rows(hidden, inputs.attention_mask)
+            _, front = self.train_front(round_)
+            rows, defense_loss = front.rows, front.defense_loss
         else:
-            rows = kept.rows
+            rows, defense_loss = kept.rows, kept.defense_loss
         rt.kept_front = None
         check_rows("gradient at the first cut", grad_rows, rows.shape[0])
         optimizer = rt.optimizers[self.front]
         optimizer.zero_grad(set_to_none=True)
-        rows.backward(grad_rows.to(rows.device, rows.dtype))
+        outputs, grads = [rows], [grad_rows.to(rows.device, rows.dtype)]
+        if defense_loss is not None:
+            outputs.append(defense_loss)
+            grads.append(torch.ones_like(defense_loss))
+        torch.autograd.backward(outputs, grads)
         optimizer.step()
         rt.step += 1
         rt.after_training_message(round_, (self.front,), end_of_turn=not go_on)
-        return self.forward_payload() if go_on else {"tensors": {}, "metrics": {}}
+        return self.forward_payload(round_) if go_on else {"tensors": {}, "metrics": {}}
 
     # -- evaluation: greedy answers, scored on the client ----------------------------------
     def _scratch(self) -> dict:
@@ -138,17 +181,20 @@ class SplitClient:
     def _write_scratch(self, scratch: dict) -> None:
         self.rt.store.path(EVAL_SCRATCH).write_text(json.dumps(scratch))
 
-    def eval_begin(self, batch_index: int) -> dict:
+    def eval_begin(self, round_: int, batch_index: int) -> dict:
         self.rt.sync_private_state()
         batch = self.eval_batch(batch_index)
-        self._write_scratch({"batch": batch_index, "generated": [[] for _ in batch], "finished": [False] * len(batch)})
-        return self._eval_forward(batch, [[] for _ in batch])
+        scratch = {"round": round_, "batch": batch_index, "generated": [[] for _ in batch], "finished": [False] * len(batch)}
+        self._write_scratch(scratch)
+        return self._eval_forward(batch, scratch)
 
-    def _eval_forward(self, batch: Sequence[EncodedSample], generated: list[list[int]]) -> dict:
+    def _eval_forward(self, batch: Sequence[EncodedSample], scratch: dict) -> dict:
+        generated = scratch["generated"]
+        # Each greedy token's activation gets its own draws: keyed by the batch and the answer so far.
+        seed = self.seed(scratch["round"], scratch["batch"], f"{EVAL}:{max(len(tokens) for tokens in generated)}")
         with torch.no_grad():
-            inputs, hidden, _ = self.front_forward(batch, self._answers(generated))
-        rows, lengths = pack_rows(hidden, inputs.attention_mask)
-        return {"tensors": {protocol.ROWS: rows, protocol.LENGTHS: lengths}, "metrics": {}}
+            front = self.cut_activation(batch, self._answers(generated), seed)
+        return {"tensors": {protocol.ROWS: front.rows, protocol.LENGTHS: front.lengths}, "metrics": {}}
 
     def _answers(self, generated: list[list[int]]) -> list[torch.Tensor]:
         return [torch.tensor(tokens, dtype=torch.long) for tokens in generated]
@@ -171,4 +217,4 @@ class SplitClient:
             correct = sum(score_sample(p, item.sample) for p, item in zip(predictions, batch, strict=True))
             return {"tensors": {}, "metrics": {"correct": float(correct), "count": float(len(batch))}}
         self._write_scratch(scratch)
-        return self._eval_forward(batch, scratch["generated"])
+        return self._eval_forward(batch, scratch)

@@ -1,12 +1,15 @@
 """USL client: private head [0, CA) and tail [CB, L) + LM head, each with its own AdamW.
 
 The server sees the packed activation at CA and the gradient at CB — never the image,
-the question, the answer, the labels or the logits: the loss is computed here.
+the question, the answer, the labels or the logits: the loss is computed here. The
+gradient at CB leaves through the run's GRADIENT defenses (after the tail's own update,
+which uses the true gradient).
 """
 
 import torch
 
 from clients.split import SplitClient, check_rows
+from privacy import GRADIENT, Payload
 from training import protocol
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import unpack_rows
@@ -35,7 +38,11 @@ class USLClient(SplitClient):
         loss.backward()
         optimizer.step()
         rt.after_training_message(round_, ("tail",), end_of_turn=False)
-        return {"tensors": {protocol.GRAD: rows.grad}, "metrics": {"loss": loss.detach().item()}}
+        grad = rows.grad
+        if rt.defenses.acts_at(GRADIENT):
+            payload = Payload(grad, inputs.attention_mask.sum(-1))
+            grad = rt.defenses.apply((GRADIENT,), payload, self.seed(round_, rt.step)).rows
+        return {"tensors": {protocol.GRAD: grad}, "metrics": {"loss": loss.detach().item()}}
 
     def eval_tail(self, rows: torch.Tensor) -> dict:
         scratch = self._scratch()

@@ -10,13 +10,14 @@ never after minutes of model loading.
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from privacy import STAGES, OptionError, defense_class, defense_names, parse_defense_names
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names, get_adapter
@@ -129,6 +130,17 @@ class PruningConfig:
     dino_source: str = ""
 
 
+# Defenses at the cut (privacy/): `defenses` names the active ones in order, comma-separated
+# ("noise,sparsify"; "": none); `privacy.<name>.<option>` sets each registered defense's
+# options (its Options dataclass owns the defaults); `seed` seeds their random draws, which
+# are also keyed by client, round and step.
+PrivacyConfig = make_dataclass(
+    "PrivacyConfig",
+    [("defenses", str, field(default="")), ("seed", int, field(default=0))]
+    + [(name, defense_class(name).Options, field(default_factory=defense_class(name).Options)) for name in defense_names()],
+)
+
+
 @dataclass
 class FaultsConfig:
     # Longest wait for one reply; a client that misses it loses its turn.
@@ -177,6 +189,7 @@ class SimConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     threat: ThreatConfig = field(default_factory=ThreatConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -289,6 +302,7 @@ def validate(config: SimConfig) -> None:
     _at_least("eval.max_new_tokens", config.eval.max_new_tokens, 1)
     _choice("wire.dtype", config.wire.dtype, sorted(WIRE_DTYPES))
     _validate_pruning(config.pruning, profile.name)
+    _validate_privacy(config)
     _validate_threat(config)
     if not config.faults.timeout_s > 0:
         raise ConfigError("faults.timeout_s", config.faults.timeout_s, "> 0 seconds")
@@ -318,6 +332,28 @@ def _validate_threat(config: SimConfig) -> None:
             f"data.{limit_key}", 0, f"> 0 under threat.model=active-fsha: the attacker's public data is the rest of "
             f"the {threat.aux_split!r} split (threat.aux_split), and 0 gives all of it to the clients"
         )
+
+
+def _validate_privacy(config: SimConfig) -> None:
+    names = parse_defense_names(config.privacy.defenses)
+    for name in names:
+        _choice("privacy.defenses", name, defense_names())
+    if len(set(names)) != len(names):
+        raise ConfigError("privacy.defenses", config.privacy.defenses, "each defense named once (one set of options each)")
+    for name in names:
+        stage = defense_class(name).stage
+        what, paradigms = STAGES[stage]
+        if config.paradigm not in paradigms:
+            raise ConfigError(
+                "privacy.defenses", config.privacy.defenses,
+                f"defenses a {config.paradigm} client can apply: {name} acts on {what} ({', '.join(paradigms)} only)",
+            )
+    # Every defense's options, active or not: each is a key, and a typo must not wait for its use.
+    for name in defense_names():
+        try:
+            getattr(config.privacy, name).validate()
+        except OptionError as error:
+            raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
 
 
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:

@@ -5,7 +5,7 @@ per round), `checkpoints/` (the server's state after each round), `committed.jso
 (the last round whose checkpoint is complete), `nodes.json` (node id -> partition id
 of every node that served the run: Flower's node ids change with each start, and a
 recording names nodes) and `status.json` (running, finished or failed with the reason;
-and the server's threat model) — the truth that `flwr run --stream`'s exit code is not.
+the server's threat model and the defenses its clients applied) — the truth that `flwr run --stream`'s exit code is not.
 """
 
 import json
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from config import RESUMABLE_KEYS, SimConfig
+from training.defenses import describe_defenses
 from training.protocol import NODE_PARTITIONS_FILE
 
 
@@ -74,22 +75,25 @@ class RunFolder:
         write_json_atomically(path, {**known, **{str(node): partition for node, partition in partitions.items()}})
 
     def write_status(self, state: str, **details: Any) -> None:
-        status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model, **details}
+        status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model,
+                  "defenses": describe_defenses(self.config), **details}
         write_json_atomically(self.path / "status.json", status)
 
 
 def changed_since_written(config: SimConfig, path: Path) -> list[str]:
     """The keys whose values differ from those of the config that wrote the run folder's
-    completed rounds (empty: none, or nothing to resume); resumable keys never count."""
+    completed rounds (empty: none, or nothing to resume); resumable keys never count, nor a
+    key the writing build did not have that is at its default (the schema grew around it)."""
     previous = path / "config.json"
     if not previous.exists() or not (path / "committed.json").exists():
         return []
     old = json.loads(previous.read_text())
     if old["fingerprint"] == config.fingerprint():
         return []
+    defaults = SimConfig().to_flat()
     return sorted(
         key for key, value in config.to_flat().items()
-        if key not in RESUMABLE_KEYS and old["config"].get(key) != value
+        if key not in RESUMABLE_KEYS and old["config"].get(key, defaults.get(key)) != value
     )
 
 

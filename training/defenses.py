@@ -1,0 +1,22 @@
+"""The run's defenses at the cut, built from its config (`privacy.*`, checked by config.load_config).
+
+The client applies the chain (clients.split): ACTIVATION and LOSS defenses to each
+activation it sends at the first cut (training and evaluation alike: the evaluation
+activations cross the same wire), GRADIENT defenses to the gradient a USL client
+returns at CB. `describe_defenses` is what status.json and the recording's header
+record of them.
+"""
+
+from typing import Any
+
+from config import SimConfig
+from privacy import DefenseChain, parse_defense_names
+
+
+def build_defenses(config: SimConfig) -> DefenseChain:
+    names = parse_defense_names(config.privacy.defenses)
+    return DefenseChain.build(names, {name: getattr(config.privacy, name) for name in names}, seed=config.privacy.seed)
+
+
+def describe_defenses(config: SimConfig) -> list[dict[str, Any]]:
+    return build_defenses(config).describe()
