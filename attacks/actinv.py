@@ -15,6 +15,13 @@ attention makes each run depend only on what precedes it), visual rows start fro
 mean projected visual token; and each text position is chosen left to right among its
 nearest tokens by how well its own row matches (`refine_candidates`; 0 keeps the
 paper's plain projection).
+
+Adaptive against sparsification and PriPert-L0 (`mask_zeros`; the attacker knows the
+defense zeroes elements): the cosine distance of each row is taken only over the
+elements where the observed row is non-zero — both vectors restricted to that
+support — so the optimised inputs are not pulled towards zeros the client never
+computed (the paper's masked-distance adaptive attacker). The refinement's scoring
+uses the same distance. A row the defense zeroed entirely says nothing and scores 0.
 """
 
 from collections.abc import Sequence
@@ -52,6 +59,9 @@ class ActInvOptions:
     refine_candidates: int = 64
     # Stored transfers to attack (0: all); each costs `iterations` forward/backward passes.
     max_transfers: int = 0
+    # The cosine distance over each observed row's non-zero elements only (adaptive against
+    # defenses that zero elements: sparsification, PriPert-L0).
+    mask_zeros: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -77,9 +87,12 @@ class ActInv(Attack):
             self.visual_mean = project_visual_features(k.model, features).float().mean((0, 1)).cpu()
         return self
 
-    @staticmethod
-    def _distance(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return 1 - F.cosine_similarity(out, target, dim=-1)
+    def distance(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Per row (last dimension), 1 − cosine of `out` and the observed `target`; with `mask_zeros`
+        over the elements where `target` is non-zero only."""
+        if not self.options.mask_zeros:
+            return 1 - F.cosine_similarity(out, target, dim=-1)
+        return masked_cosine_distance(out, target)
 
     def invert(self, rows: torch.Tensor, lengths: torch.Tensor, visual: Sequence[int]) -> list[torch.Tensor]:
         """Token ids at every position of each sample of one packed activation, whose sample b
@@ -124,7 +137,7 @@ class ActInv(Attack):
             optimizer = torch.optim.Adam([guess], lr=o.lr)
             for _ in range(o.iterations):
                 out = self._front(torch.cat([inputs[:, : run.start], guess], dim=1))[:, run.start :]
-                loss = self._distance(out, target[:, run])[real[:, run]].mean()
+                loss = self.distance(out, target[:, run])[real[:, run]].mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -161,7 +174,7 @@ class ActInv(Attack):
             trial = current[: position + 1].unsqueeze(0).repeat(candidates.shape[1], 1, 1)
             trial[:, position] = embedding[candidates[slot]]
             out = self._front(trial)[:, position]
-            ids[slot] = candidates[slot, int(self._distance(out, target[position].unsqueeze(0)).argmin())]
+            ids[slot] = candidates[slot, int(self.distance(out, target[position].unsqueeze(0)).argmin())]
             current[position] = embedding[ids[slot]]
         return ids
 
@@ -211,6 +224,17 @@ class ActInv(Attack):
             result.metrics.update({f"whole_prompt_{name}": value for name, value in whole.items()})
             result.details["true_questions"] = [k.tokenizer.decode(t) for t in true_questions[:20]]
         return result
+
+
+def masked_cosine_distance(out: torch.Tensor, target: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """1 − cos(out|S, target|S) per row, S the elements where `target` is non-zero (broadcasting as
+    `F.cosine_similarity` does); 0 for a row whose target is all zeros (nothing observed)."""
+    support = (target != 0).to(out.dtype)
+    out_on, target_on = out * support, target * support
+    dot = (out_on * target_on).sum(-1)
+    norms = out_on.norm(dim=-1).clamp_min(eps) * target_on.norm(dim=-1).clamp_min(eps)
+    observed = support.sum(-1) > 0
+    return torch.where(observed, 1 - dot / norms, torch.zeros_like(dot))
 
 
 def _question_ids(knowledge, question: str) -> list[int]:

@@ -10,6 +10,14 @@
 Pruned runs send k_b < N rows whose patches the server does not know: the attacker
 simulates random keep sets of the observed sizes on its auxiliary data, spreads each
 in-order set evenly over the grid, and lets the decoder learn from that.
+
+Adaptive (`adaptive=True`; the attacker knows the run's defense and its options): the
+substitute's auxiliary rows pass through the run's activation-stage defenses
+(attacks.adaptive: the run's options, the attacker's own seed) both where the
+substitute is fitted to the observed rows (so defended substitute rows are matched to
+the defended observations) and where the inverse network is trained, so the decoder
+learns to invert defended rows. Its input noise then spares the elements the defense
+zeroed (the observations carry those zeros exactly).
 """
 
 from collections.abc import Sequence
@@ -19,7 +27,9 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from attacks.adaptive import AttackerDefense, defenses_for_run
 from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.context import ReplayContext
 from attacks.knowledge import visual_rows
 from attacks.networks import (
     GridDecoder,
@@ -32,6 +42,8 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
+from config import SimConfig
+from privacy import DefenseChain
 from vqa import VQASample
 
 
@@ -47,6 +59,8 @@ class FORAOptions:
     # Gaussian noise on the decoder's training inputs, relative to the rows' standard deviation.
     decoder_noise: float = 0.3
     batch_size: int = 32
+    # Train substitute and inverse network on auxiliary rows through the run's defenses.
+    adaptive: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -55,6 +69,37 @@ class FORA(Attack):
     name = "fora"
     threat_model = "passive"
     Options = FORAOptions
+
+    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
+    run_config: SimConfig | None = None
+    # The defenses an adaptive attack re-applies (None: none, or not known yet), and their names.
+    defense: AttackerDefense | None = None
+    adapted_to: list[str] | None = None
+
+    def prepare_replay(self, run: ReplayContext) -> None:
+        """An adaptive attack takes the run's defenses from its config (each run its own)."""
+        self.run_config = run.config
+        self.defense, self.adapted_to = None, None
+        self._resolve_defenses()
+
+    def use_defenses(self, chain: DefenseChain) -> "FORA":
+        """Re-apply `chain`'s activation-stage defenses to the attacker's
+        rows, drawing from the attack's own seed: what `adaptive` does with the run's. A chain
+        with none leaves the attack plain."""
+        defense = AttackerDefense(self.knowledge, chain, seed=self.options.seed)
+        self.defense, self.adapted_to = (defense if defense.names else None), defense.names
+        return self
+
+    def _resolve_defenses(self, recording: Recording | None = None) -> None:
+        if self.options.adaptive and self.adapted_to is None:
+            self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
+
+    def _rows(self, model: torch.nn.Module, features: torch.Tensor, keep) -> list[torch.Tensor]:
+        """The attacker's visual rows for its auxiliary images: through the defenses when adaptive."""
+        k = self.knowledge
+        if self.defense is None:
+            return visual_rows(model, features, k.prefix_ids, k.first_cut, keep)
+        return self.defense.visual_rows(model, features, keep)
 
     def fit(self, aux: Sequence[VQASample]) -> "FORA":
         """Keeps the auxiliary images and their frozen vision features (FORA trains on the observations)."""
@@ -70,6 +115,7 @@ class FORA(Attack):
         """Images [n, 3, H, W] from observed visual row sets [k_b, D]."""
         if not hasattr(self, "aux_features"):
             raise RuntimeError("FORA.fit(aux) must run before reconstruct")
+        self._resolve_defenses()
         observed = [rows.float() for rows in observed]
         counts = [rows.shape[0] for rows in observed]
         substitute = self.fit_substitute(observed, counts)
@@ -105,7 +151,7 @@ class FORA(Attack):
         for _ in tqdm(range(o.substitute_steps), desc="FORA substitute", disable=not o.progress):
             batch = torch.randint(len(self.aux), (size,), generator=generator)
             keep = self._aux_keep(counts, generator, size)
-            fake = self._grid(visual_rows(substitute, self.aux_features[batch], k.prefix_ids, k.first_cut, keep))
+            fake = self._grid(self._rows(substitute, self.aux_features[batch], keep))
             real = observed_grid[torch.randint(len(observed), (size,), generator=generator)]
             # The discriminator learns observed (1) vs substitute (0); the substitute learns to fool it.
             disc_loss = F.binary_cross_entropy_with_logits(discriminator(real), torch.ones(size)) + \
@@ -120,12 +166,25 @@ class FORA(Attack):
             sub_opt.step()
         return substitute.requires_grad_(False)
 
+    def inverse_training_rows(self, substitute: torch.nn.Module, counts: Sequence[int],
+                              generator: torch.Generator | None = None) -> torch.Tensor:
+        """The inverse network's inputs: the substitute's rows for every auxiliary image (keep sets of
+        the observed sizes; through the run's defenses when adaptive) on the grid, [n, N, D]."""
+        generator = torch.Generator().manual_seed(self.options.seed + 1) if generator is None else generator
+        keep = self._aux_keep(counts, generator, len(self.aux))
+        # A defense that looks through the front (PriPert) holds a batch's graph: defended rows go in batches.
+        step = len(self.aux) if self.defense is None else max(1, self.options.batch_size)
+        with torch.no_grad():
+            rows = [r for i in range(0, len(self.aux), step)
+                    for r in self._rows(substitute, self.aux_features[i : i + step], keep[i : i + step])]
+            return self._grid(rows)
+
     def train_inverse_network(self, substitute: torch.nn.Module, counts: Sequence[int]) -> GridDecoder:
         k, o = self.knowledge, self.options
         generator = torch.Generator().manual_seed(o.seed + 1)
-        with torch.no_grad():
-            keep = self._aux_keep(counts, generator, len(self.aux))
-            grid = self._grid(visual_rows(substitute, self.aux_features, k.prefix_ids, k.first_cut, keep))
+        grid = self.inverse_training_rows(substitute, counts, generator)
+        # The defense's zeros are exact in the observations: the input noise spares them.
+        noisy_where = (grid != 0).to(grid.dtype) if self.defense is not None else None
         with seeded(o.seed):
             decoder = GridDecoder(k.hidden_size, k.grid, k.image_size, o.decoder_width)
         bar = tqdm(total=o.decoder_steps, desc="FORA inverse network", disable=not o.progress)
@@ -134,7 +193,8 @@ class FORA(Attack):
         scale = o.decoder_noise * grid.std()
 
         def loss(batch: torch.Tensor) -> torch.Tensor:
-            noisy = grid[batch] + scale * torch.randn(grid[batch].shape, generator=generator)
+            noise = scale * torch.randn(grid[batch].shape, generator=generator)
+            noisy = grid[batch] + (noise if noisy_where is None else noise * noisy_where[batch])
             return F.mse_loss(decoder(noisy), self.aux_images[batch])
 
         adam_steps(decoder.parameters(), loss, len(self.aux),
@@ -145,13 +205,15 @@ class FORA(Attack):
     # -- the attack on a recording ---------------------------------------------------------
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge
+        self._resolve_defenses(recording)
         spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         images = self.reconstruct([obs.rows for obs in observations])
         result = AttackResult(
             self.name,
             details={"observed_samples": len(observations),
-                     "mean_kept_tokens": sum(obs.rows.shape[0] for obs in observations) / len(observations)},
+                     "mean_kept_tokens": sum(obs.rows.shape[0] for obs in observations) / len(observations),
+                     "adaptive_to": self.adapted_to},
             outputs={"reconstructions": images},
         )
         score = None if truth is None else score_images(observations, images, k, truth, self.aux, self.aux_images)

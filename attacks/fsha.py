@@ -13,6 +13,14 @@ decoder inverts it. `server_step` is one such exchange (the hook an active strat
 calls with each received activation); `simulate_hijack` plays the client's side
 offline; `run` decodes the activations a hijacked run recorded, with the server state
 it saved (`save_state` / `load_state`).
+
+Adaptive (`adaptive=True`; the attacker knows the run's defense and its options): at
+replay time, after loading the run's hijack state, the decoder is fine-tuned for
+`adaptive_steps` on the pilot's auxiliary rows passed through the run's
+activation-stage defenses (attacks.adaptive: the run's options, the attacker's own
+seed, fresh draws each step), so it inverts defended rows. The pilot, discriminator,
+their optimisers and the hijack's generator stay as the run left them; only the
+decoder moves, with an optimiser of its own.
 """
 
 from collections.abc import Sequence
@@ -24,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from attacks.adaptive import AttackerDefense, defenses_for_run
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed, visual_rows
 from attacks.networks import (
@@ -37,6 +46,7 @@ from attacks.observations import VisualSpans, pruned, score_images, visual_obser
 from attacks.recording import Recording
 from attacks.context import ATTACK_FOLDER, ReplayContext
 from config import SimConfig
+from privacy import DefenseChain
 from vqa import VQASample
 
 STATE_FILE = "fsha.pt"
@@ -55,6 +65,9 @@ class FSHAOptions:
     batch_size: int = 32
     # Rounds of the recording to decode: the last ones, after the hijack took hold; 0: all.
     last_rounds: int = 1
+    # Fine-tune the decoder on the pilot's rows through the run's defenses, for this many steps.
+    adaptive: bool = False
+    adaptive_steps: int = 500
     seed: int = 0
     progress: bool = True
 
@@ -67,6 +80,10 @@ class FSHA(Attack):
 
     # A hijacked run's saved server state (prepare_replay), loaded by `fit` in place of pre-training.
     saved_state: Path | None = None
+    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
+    run_config: SimConfig | None = None
+    # The defenses the decoder was fine-tuned on (None: not adapted).
+    adapted_to: list[str] | None = None
 
     def fit(self, aux: Sequence[VQASample]) -> "FSHA":
         """Build the server's networks and pre-train pilot and decoder as an autoencoder on `aux`."""
@@ -86,10 +103,39 @@ class FSHA(Attack):
             self.discriminator.parameters(), lr=o.discriminator_lr, betas=(0.5, 0.9)
         )
         self.generator = torch.Generator().manual_seed(o.seed)
+        self.adapted_to = None
         if self.saved_state is not None:
-            return self.load_state(self.saved_state)
-        for _ in tqdm(range(o.pretrain_steps), desc="FSHA pilot/decoder", disable=not o.progress):
-            self._autoencoder_step()
+            self.load_state(self.saved_state)
+        else:
+            for _ in tqdm(range(o.pretrain_steps), desc="FSHA pilot/decoder", disable=not o.progress):
+                self._autoencoder_step()
+        if o.adaptive and self.run_config is not None:
+            self.adapt_decoder(defenses_for_run(self.name, self.run_config))
+        return self
+
+    def adapt_decoder(self, chain: DefenseChain) -> "FSHA":
+        """Fine-tune the decoder on the pilot's auxiliary rows through `chain`'s activation-stage
+        defenses, keeping everything else of the hijack as it is."""
+        if not hasattr(self, "pilot"):
+            raise RuntimeError("FSHA.fit(aux) must run before its decoder adapts")
+        k, o = self.knowledge, self.options
+        defense = AttackerDefense(k, chain, seed=o.seed)
+        self.adapted_to = defense.names
+        if not defense.names:
+            return self
+        optimizer = torch.optim.Adam(self.decoder.parameters(), lr=o.lr)
+        generator = torch.Generator().manual_seed(o.seed + 2)
+        size = min(o.batch_size, len(self.aux))
+        self.decoder.train()
+        for _ in tqdm(range(o.adaptive_steps), desc="FSHA adaptive decoder", disable=not o.progress):
+            batch = torch.randint(len(self.aux), (size,), generator=generator)
+            with torch.no_grad():
+                rows = torch.stack(defense.visual_rows(self.pilot, self.aux_features[batch])).float().cpu()
+            loss = F.mse_loss(self.decoder(rows), self.aux_images[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        self.decoder.eval()
         return self
 
     # -- the server's side of one hijacked exchange ---------------------------------------
@@ -237,6 +283,7 @@ class FSHA(Attack):
     def prepare_replay(self, run: ReplayContext) -> None:
         """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`): `fit`
         builds the networks and loads them instead of pre-training."""
+        self.run_config = run.config
         path = run.folder / ATTACK_FOLDER / STATE_FILE
         if not path.exists():
             raise FileNotFoundError(
@@ -247,13 +294,16 @@ class FSHA(Attack):
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k, o = self.knowledge, self.options
+        if o.adaptive and self.adapted_to is None:
+            self.adapt_decoder(defenses_for_run(self.name, self.run_config, recording))
         spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         if o.last_rounds:
             last = max(obs.entry.round for obs in observations)
             observations = [obs for obs in observations if obs.entry.round > last - o.last_rounds]
         images = self.reconstruct([obs.rows for obs in observations])
-        result = AttackResult(self.name, details={"observed_samples": len(observations)},
+        result = AttackResult(self.name,
+                              details={"observed_samples": len(observations), "adaptive_to": self.adapted_to},
                               outputs={"reconstructions": images})
         score = None if truth is None else score_images(observations, images, k, truth, self.aux, self.aux_images)
         if score is not None:

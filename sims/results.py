@@ -3,13 +3,19 @@
     results = load_results("~/qpriv-sweeps/paradigms", "~/qpriv-runs/my-run")
     results.runs       # one row per run: its settings, state and final metrics
     results.rounds     # one row per run x round (metrics.jsonl)
-    results.attacks    # one row per run x attack result (<run>/attacks/<attack>.json)
+    results.attacks    # one row per run x attack result (<run>/attacks/<label>.json)
     results.incomplete # run folders that could not be read, and why
 
 Any folder is searched for run folders (those holding config.json), so a sweep folder, a
 folder of sweeps or single runs all load the same way. A run folder that lacks a file or
 holds a torn one is listed in `incomplete` with the reason, never raised. The helpers below
-(`mia_roc`, `reconstructions`, `claims`, `defense_frontier`) read only what a run wrote.
+(`mia_roc`, `reconstructions`, `claims`, `defense_frontier`, `defense_table`) read only what a
+run wrote.
+
+An attack result's `attack` is the label it was saved under: a sweep may replay one attack
+several times with other options (`[attacks.actinv_masked] attack = "actinv"`), and each label
+is its own `attack` value ("actinv_masked", "fora_adaptive") beside the plain one; `base_attack`
+is the registered attack behind it (the headline metric comes from it).
 """
 
 import json
@@ -31,9 +37,13 @@ SETTINGS = {
     "ratio": "pruning.ratio", "threat": "threat.model", "clients": "clients.count", "rounds_planned": "train.rounds",
     "steps_per_round": "train.steps_per_round", "batch_size": "train.batch_size",
 }
-# The config key naming a run's defenses at the cut (none yet in this build: every run is "none").
+# The config key naming a run's defenses at the cut, in order ("noise,pripert"; "" or "none": none);
+# each one's options are the keys under privacy.<name>.
 DEFENSES_KEY = "privacy.defenses"
 NO_DEFENSE = "none"
+# Each attack's headline number (image attacks: PSNR in dB).
+HEADLINE = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
+            "mia": "attack_success"}
 IMAGE_ATTACKS = ("fora", "fsha", "sara")
 PAPER_MIA_UNDEFENDED = 0.99
 PAPER_MIA_QPRIV = (0.76, 0.79)
@@ -72,6 +82,27 @@ def policy_label(policy: str, ratio: float) -> str:
     return f"fixed-{ratio:g}" if policy == "fixed" else policy
 
 
+def defense_names(config: dict[str, Any]) -> list[str]:
+    """The run's defenses at the cut, in order (a comma-separated string in the run config)."""
+    value = config.get(DEFENSES_KEY) or []
+    names = [str(n).strip() for n in (value.split(",") if isinstance(value, str) else value) if str(n).strip()]
+    return [] if names == [NO_DEFENSE] else names
+
+
+def defense_setting(config: dict[str, Any]) -> str:
+    """The defenses with their options, as a label: "sparsify(level=element, ratio=0.5)+noise(variance=0.01)"."""
+    names = defense_names(config)
+    if not names:
+        return NO_DEFENSE
+    parts = []
+    for name in names:
+        prefix = f"privacy.{name}."
+        options = sorted((key[len(prefix):], value) for key, value in config.items() if key.startswith(prefix))
+        text = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in options)
+        parts.append(f"{name}({text})")
+    return "+".join(parts)
+
+
 def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """(run row, round rows, attack rows); raises ValueError naming what is missing or torn."""
     def read(name: str) -> Any:
@@ -96,12 +127,12 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
             except json.JSONDecodeError:
                 raise ValueError(f"metrics.jsonl line {number} is torn") from None
     name = folder.name
-    defenses = config.get(DEFENSES_KEY) or []
+    defenses = defense_names(config)
     row: dict[str, Any] = {
         "run": name, "folder": str(folder), "sweep": folder.parent.parent.name if folder.parent.name == "runs" else "",
         **{column: config.get(key) for column, key in SETTINGS.items()},
         "policy": policy_label(config.get("pruning.policy", "off"), config.get("pruning.ratio", 0.0)),
-        "defenses": "+".join(defenses) if isinstance(defenses, list) and defenses else NO_DEFENSE,
+        "defenses": "+".join(defenses) if defenses else NO_DEFENSE, "defense_setting": defense_setting(config),
         "state": status.get("state"), "error": status.get("error", ""), "rounds_done": len(rounds),
         "config": config,
     }
@@ -130,7 +161,9 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
             result = json.loads(path.read_text())
         except json.JSONDecodeError:
             raise ValueError(f"{ATTACK_FOLDER}/{path.name} is torn") from None
-        attack_rows.append({"run": name, "attack": result.get("attack", path.stem), **result.get("metrics", {})})
+        label = result.get("attack", path.stem)
+        base = (result.get("details") or {}).get("base_attack", label)
+        attack_rows.append({"run": name, "attack": label, "base_attack": base, **result.get("metrics", {})})
     return row, round_rows, attack_rows
 
 
@@ -154,7 +187,8 @@ def load_results(*paths: str | Path) -> Results:
     attack_frame = pd.DataFrame(attacks)
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
-        keep = ["run", "paradigm", "policy", "threat", "defenses", "kept_tokens_mean", "test_accuracy"]
+        keep = ["run", "paradigm", "policy", "threat", "defenses", "defense_setting", "kept_tokens_mean",
+                "test_accuracy"]
         attack_frame = attack_frame.merge(run_frame[[c for c in keep if c in run_frame]], on="run", how="left")
     return Results(run_frame, pd.DataFrame(rounds), attack_frame,
                    pd.DataFrame(incomplete, columns=["run", "folder", "reason"]))
@@ -214,34 +248,57 @@ def pruning_table(results: Results) -> pd.DataFrame:
     return table.sort_values(["paradigm", "kept_tokens_mean"], ascending=[True, False]).reset_index(drop=True)
 
 
+def _headlines(group: pd.DataFrame, row: dict[str, Any]) -> dict[str, Any]:
+    """Each attack label's headline number (from its base attack) into `row`, as <label>_<metric>."""
+    for _, result in group.iterrows():
+        base = result.get("base_attack")
+        base = result["attack"] if not isinstance(base, str) else base
+        metric = HEADLINE.get(base)
+        if metric and metric in result and pd.notna(result[metric]):
+            row[f"{result['attack']}_{metric}"] = result[metric]
+        if base in ("fora", "fsha") and pd.notna(result.get("mark_readback")):
+            row[f"{result['attack']}_mark_readback"] = result["mark_readback"]
+    return row
+
+
 def attack_table(results: Results) -> pd.DataFrame:
-    """Per paradigm and policy: each attack's headline number (image attacks: PSNR in dB)."""
+    """Per paradigm and policy of undefended runs: each attack label's headline number (image
+    attacks: PSNR in dB); a labelled replay ("actinv_masked") is a column beside the plain one."""
     attacks = results.attacks
     if attacks.empty:
         return pd.DataFrame()
-    headline = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
-                "mia": "attack_success"}
     rows = []
     for (paradigm, policy), group in attacks[attacks["defenses"] == NO_DEFENSE].groupby(["paradigm", "policy"]):
-        row: dict[str, Any] = {"paradigm": paradigm, "policy": policy,
-                               "kept_tokens_mean": group["kept_tokens_mean"].mean()}
-        for _, result in group.iterrows():
-            metric = headline.get(result["attack"])
-            if metric and metric in result and pd.notna(result[metric]):
-                row[f"{result['attack']}_{metric}"] = result[metric]
-            if result["attack"] in ("fora", "fsha") and pd.notna(result.get("mark_readback")):
-                row[f"{result['attack']}_mark_readback"] = result["mark_readback"]
-        rows.append(row)
+        rows.append(_headlines(group, {"paradigm": paradigm, "policy": policy,
+                                       "kept_tokens_mean": group["kept_tokens_mean"].mean()}))
+    if not rows:
+        return pd.DataFrame()
     return pd.DataFrame(rows).sort_values(["paradigm", "kept_tokens_mean"], ascending=[True, False]).reset_index(drop=True)
 
 
+def defense_table(results: Results) -> pd.DataFrame:
+    """Per paradigm, policy and defense setting (undefended included): test accuracy and each attack
+    label's headline number, so plain and adaptive attackers ("fora", "fora_adaptive") sit side by side."""
+    attacks = results.attacks
+    if attacks.empty:
+        return pd.DataFrame()
+    rows = []
+    for (paradigm, policy, setting), group in attacks.groupby(["paradigm", "policy", "defense_setting"]):
+        rows.append(_headlines(group, {"paradigm": paradigm, "policy": policy, "defense_setting": setting,
+                                       "defenses": group["defenses"].iloc[0],
+                                       "test_accuracy": group["test_accuracy"].mean()}))
+    return pd.DataFrame(rows).sort_values(["paradigm", "policy", "defense_setting"]).reset_index(drop=True)
+
+
 def defense_frontier(results: Results, attack: str = "fora", metric: str = "psnr") -> pd.DataFrame:
-    """Attack success against accuracy per defense and strength (the privacy-utility frontier)."""
+    """Attack success against accuracy per defense and strength (the privacy-utility frontier);
+    `attack` is a result label ("fora", or "fora_adaptive" for the adaptive replay)."""
+    columns = ["run", "paradigm", "defenses", "defense_setting", "policy", "test_accuracy", metric]
     attacks = results.attacks
     if attacks.empty or attack not in set(attacks["attack"]) or metric not in attacks:
-        return pd.DataFrame(columns=["run", "paradigm", "defenses", "policy", "test_accuracy", metric])
+        return pd.DataFrame(columns=columns)
     chosen = attacks[attacks["attack"] == attack]
-    return chosen[["run", "paradigm", "defenses", "policy", "test_accuracy", metric]].reset_index(drop=True)
+    return chosen[columns].reset_index(drop=True)
 
 
 # --- the papers' claims ------------------------------------------------------------------------

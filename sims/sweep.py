@@ -17,7 +17,10 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
                product  key -> list of values; every combination is a point
                [[grid.zip]]  keys -> lists of one length, varied together as one axis ("label", if
                         given, names the axis values in run names instead of the values)
-    [attacks.NAME]  replayed on every finished run it applies to:
+    [attacks.LABEL]  replayed on every finished run it applies to, its result saved under LABEL:
+               attack   the registered attack to replay (default: LABEL itself), so one attack can
+                        replay several times with other options beside itself, e.g.
+                        [attacks.actinv_masked] attack = "actinv", options = { mask_zeros = true }
                options  the attack's options (`python -m attacks list`)
                where    run-config key -> list of values a run must have (e.g. "threat.model")
 
@@ -26,12 +29,14 @@ before the first run starts: a bad key or value names the point and the key, a p
 config changed since its run folder was written is refused naming the changed keys. The
 sweep folder (default ~/qpriv-sweeps/<file stem>) holds `runs/<point>/` (ordinary run
 folders, which `python -m attacks` and the results notebook read), `points/<point>.json`
-(each point's overrides, failures, seconds per run and attack, and the options its attack
-results were made with) and `sweep.json` (each start's points, commit and machine). A
+(each point's overrides, failures, seconds per run and attack, and the attack and options its
+results were made with, keyed by label) and `sweep.json` (each start's points, commit and
+machine); a label's result is `runs/<point>/attacks/<LABEL>.json` (its "attack" field the
+label, details.base_attack the registered attack) and `<LABEL>.safetensors`. A
 failed run or attack is recorded with its reason and the sweep goes on; running the same
 command again skips finished runs and attack results, resumes an interrupted run and retries
-failures. Attacks whose fit reads only public data (all but FSHA) are fitted once per public
-setting and replayed on every run of it.
+failures. Attacks whose fit reads only public data (all but FSHA) are fitted once per label
+and public setting and replayed on every run of it.
 """
 
 import argparse
@@ -40,6 +45,7 @@ import itertools
 import json
 import re
 import sys
+import tempfile
 import time
 import tomllib
 import traceback
@@ -66,7 +72,9 @@ RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "grid", "attacks")
 SWEEP_KEYS = ("sim", "runner")
 GRID_KEYS = ("name", "fixed", "product", "zip")
-ATTACK_KEYS = ("options", "where")
+ATTACK_KEYS = ("attack", "options", "where")
+# A label names files in the run's attacks folder.
+ATTACK_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = "label"
 SWEEP_STAMP = "sweep.json"
 NO_PRUNING = "off"
@@ -78,9 +86,17 @@ class SweepError(ValueError):
 
 @dataclass(frozen=True)
 class AttackPlan:
+    """One [attacks.LABEL] table: `name` is the label its results are saved and found under,
+    `attack` the registered attack it replays."""
+
     name: str
     options: dict[str, Any]
     where: dict[str, list[Any]]
+    attack: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.attack:
+            object.__setattr__(self, "attack", self.name)
 
     def applies_to(self, config: Mapping[str, Any]) -> bool:
         return all(config.get(key) in values for key, values in self.where.items())
@@ -192,19 +208,27 @@ def _axes(part: str, grid: Mapping[str, Any]) -> list[list[tuple[dict[str, Any],
 def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPlan]:
     plans = []
     for name, spec in _table("attacks", raw).items():
-        if name not in available_attacks():
-            raise SweepError(f"attacks.{name}: no such attack; registered: {', '.join(available_attacks())}")
         spec = _table(f"attacks.{name}", spec)
         _unknown(f"attacks.{name}", spec, ATTACK_KEYS)
+        attack = spec.get("attack", name)
+        if not isinstance(attack, str) or attack not in available_attacks():
+            what = "no such attack" if "attack" not in spec else f"attack = {attack!r}: no such attack"
+            raise SweepError(f"attacks.{name}: {what}; registered: {', '.join(available_attacks())}")
+        if not ATTACK_LABEL.fullmatch(name):
+            raise SweepError(f"attacks.{name}: a label is letters, digits, '_', '.' and '-' (it names the "
+                             "result's files)")
+        if name in available_attacks() and attack != name:
+            raise SweepError(f"attacks.{name}: the label names the attack {name!r} but replays {attack!r}; "
+                             "give this table a label of its own")
         options = _table(f"attacks.{name}.options", spec.get("options"))
-        allowed = [f.name for f in fields(attack_class(name).Options)]
+        allowed = [f.name for f in fields(attack_class(attack).Options)]
         _unknown(f"attacks.{name}.options", options, allowed)
         where = {}
         for key, values in _table(f"attacks.{name}.where", spec.get("where")).items():
             if key not in known_keys:
                 raise SweepError(f"attacks.{name}.where: unknown run-config key {key!r}")
             where[key] = _values(f"attacks.{name}.where.{key}", values)
-        plans.append(AttackPlan(name, options, where))
+        plans.append(AttackPlan(name, options, where, attack))
     return plans
 
 
@@ -287,7 +311,15 @@ def _check_existing(sweep: Sweep) -> None:
             )
         record = read_record(sweep, point)
         for plan in sweep.attacks:
-            made_with = record.get("attacks", {}).get(plan.name, {}).get("options")
+            made = record.get("attacks", {}).get(plan.name, {})
+            replayed = made.get("attack", plan.name)
+            if made and replayed != plan.attack:
+                raise SweepError(
+                    f"point {point.name}: its {plan.name} result was made with attack {replayed!r}, the file's "
+                    f"attacks.{plan.name} replays {plan.attack!r}; restore it or delete "
+                    f"{point.folder / ATTACK_FOLDER / plan.name}.json"
+                )
+            made_with = made.get("options")
             if made_with is not None and made_with != plan.options:
                 keys = sorted(k for k in set(made_with) | set(plan.options) if made_with.get(k) != plan.options.get(k))
                 raise SweepError(
@@ -396,20 +428,21 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
                 continue
             bar.set_postfix_str(f"{point.name}: {plan.name}")
             options = {"progress": False, **plan.options} if "progress" in {
-                f.name for f in fields(attack_class(plan.name).Options)} else dict(plan.options)
+                f.name for f in fields(attack_class(plan.attack).Options)} else dict(plan.options)
             started = time.perf_counter()
+            made = {"attack": plan.attack, "options": plan.options}
             try:
-                if attack_class(plan.name).fit_reads_run:
-                    replay(point.folder, plan.name, options=options)
+                if attack_class(plan.attack).fit_reads_run:
+                    _replay_as(plan, point, plan.attack, options)
                 else:
+                    # Fitted once per label (its own options) and public setting.
                     key = (plan.name, public_setting(point.config))
                     if key not in fitted:
-                        fitted[key] = fit_for_run(point.folder, plan.name, options=options)
-                    replay(point.folder, fitted[key])
-                attacks[plan.name] = {"state": "finished", "options": plan.options,
-                                      "seconds": time.perf_counter() - started}
+                        fitted[key] = fit_for_run(point.folder, plan.attack, options=options)
+                    _replay_as(plan, point, fitted[key])
+                attacks[plan.name] = {"state": "finished", **made, "seconds": time.perf_counter() - started}
             except Exception as error:  # noqa: BLE001 - a failed attack is recorded and the sweep goes on
-                attacks[plan.name] = {"state": "failed", "options": plan.options, "error_type": type(error).__name__,
+                attacks[plan.name] = {"state": "failed", **made, "error_type": type(error).__name__,
                                       "error": str(error), "traceback": traceback.format_exc()[-4000:]}
                 log(f"{point.name}: {plan.name} failed: {type(error).__name__}: {error}")
             _write_record(sweep, point, record)
@@ -417,6 +450,19 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
         failed = [name for name, a in attacks.items() if a.get("state") == "failed"]
         states[point.name] = "attacks failed" if failed else "finished"
     return states
+
+
+def _replay_as(plan: AttackPlan, point: Point, attack: str | Attack, options: Mapping[str, Any] | None = None) -> None:
+    """Replay `attack` on the point's run and save its result under the plan's label
+    (`<run>/attacks/<label>.json`, "attack" the label, details.base_attack the registered attack)."""
+    results = point.folder / ATTACK_FOLDER
+    results.mkdir(parents=True, exist_ok=True)
+    # replay saves under the attack's own name: into a scratch folder, the label's files are saved after.
+    with tempfile.TemporaryDirectory(prefix=f".{plan.name}-", dir=results) as scratch:
+        result = replay(point.folder, attack, options=options, output=scratch)
+    result.attack = plan.name
+    result.details.update(base_attack=plan.attack, options=plan.options)
+    result.save(results)
 
 
 def status_rows(sweep: Sweep) -> list[dict[str, Any]]:

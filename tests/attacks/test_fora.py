@@ -2,10 +2,13 @@
 
 import copy
 
+import pytest
 import torch
 
 from attacks import build_attack
+from attacks.context import ReplayContext
 from attacks.knowledge import split_packed
+from training.defenses import describe_defenses
 from vlm.lora import decoder_layer_index, lora_parameters
 
 FAST = {"substitute_steps": 30, "decoder_steps": 400, "decoder_width": 64, "progress": False}
@@ -58,3 +61,55 @@ def test_fora_substitute_follows_a_client_whose_private_adapters_moved(knowledge
     unfitted = build_attack("fora", knowledge, **{**FAST, "substitute_steps": 0}).fit(aux).run(recording, truth)
     print(fitted.metrics, unfitted.metrics)
     assert fitted.metrics["psnr"] > unfitted.metrics["psnr"] + 1.0
+
+
+# -- adaptive: the inverse network trained on defended rows ----------------------------------------
+
+def zero_shares(grid: torch.Tensor) -> torch.Tensor:
+    return (grid == 0).flatten(1).float().mean(-1)
+
+
+@pytest.mark.parametrize("defenses, options, share", [
+    ("sparsify", {"sparsify.ratio": 0.6}, 0.6),
+    ("pripert", {"pripert.variant": "l0", "pripert.sparsity": 0.5, "pripert.iterations": 4}, 0.5),
+])
+def test_adaptive_fora_trains_its_inverse_network_on_rows_through_the_runs_defense(
+    knowledge, aux, tmp_path, defended_config, defenses, options, share
+):
+    config = defended_config(defenses, options)
+    adaptive = build_attack("fora", knowledge, adaptive=True, batch_size=8, progress=False)
+    adaptive.prepare_replay(ReplayContext(tmp_path, config, knowledge))
+    adaptive.fit(aux[:16])
+    plain = build_attack("fora", knowledge, batch_size=8, progress=False).fit(aux[:16])
+    plain.prepare_replay(ReplayContext(tmp_path, config, knowledge))
+    n, width = knowledge.num_patches, knowledge.hidden_size
+    exact = round(share * n * width) / (n * width)
+    # Each auxiliary image's visual rows are one sample: exactly the configured share of its elements is zero.
+    assert adaptive.adapted_to == [defenses]
+    assert torch.equal(zero_shares(adaptive.inverse_training_rows(knowledge.model, [n])), torch.full((16,), exact))
+    assert zero_shares(plain.inverse_training_rows(knowledge.model, [n])).max() == 0
+
+
+def test_adaptive_fora_replays_on_a_defended_recording_training_on_defended_rows(
+    knowledge, victims, aux, record_activations, defended_config, client_defense, monkeypatch
+):
+    """The run's defenses from the recording's header, the decoder's training inputs defended, and
+    the same attack without the header refused."""
+    config = defended_config("sparsify", {"sparsify.ratio": 0.6})
+    recording, truth = record_activations(victims[:16], defense=client_defense(config),
+                                          defenses=describe_defenses(config))
+    attack = build_attack("fora", knowledge, adaptive=True, substitute_steps=5, decoder_steps=20, decoder_width=32,
+                          batch_size=8, progress=False).fit(aux[:32])
+    seen = []
+    inputs = attack.inverse_training_rows
+    monkeypatch.setattr(attack, "inverse_training_rows", lambda *a, **kw: seen.append(inputs(*a, **kw)) or seen[-1])
+    result = attack.run(recording, truth)
+    assert result.details["adaptive_to"] == ["sparsify"]
+    n, width = knowledge.num_patches, knowledge.hidden_size
+    assert torch.equal(zero_shares(seen[0]), torch.full((32,), round(0.6 * n * width) / (n * width)))
+    assert result.outputs["reconstructions"].shape[0] == 16
+
+    bare, _ = record_activations(victims[:8], defense=client_defense(config), name="no-header")
+    with pytest.raises(ValueError, match="adaptive=True re-applies the run's defenses"):
+        build_attack("fora", knowledge, adaptive=True, substitute_steps=1, decoder_steps=1, progress=False).fit(
+            aux[:8]).run(bare)

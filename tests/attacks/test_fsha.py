@@ -1,9 +1,13 @@
 """FSHA hijacks a client that trusts the server's gradients; an honest client's rows stay opaque to it."""
 
 import torch
+from torch.nn import functional as F
 
 from attacks import build_attack
+from attacks.adaptive import AttackerDefense
+from attacks.context import ReplayContext
 from attacks.knowledge import visual_rows
+from training.defenses import build_defenses
 
 FAST = {"pretrain_steps": 200, "discriminator_steps": 3, "decoder_width": 32, "progress": False}
 
@@ -44,3 +48,38 @@ def test_fsha_answers_a_packed_activation_with_gradients_on_its_visual_rows_only
         assert sample[prefix : prefix + visual].abs().sum(-1).gt(0).all()
         assert sample[:prefix].abs().sum() == 0 and sample[prefix + visual :].abs().sum() == 0
         start += length
+
+
+def test_adaptive_fsha_fine_tunes_only_its_decoder_on_defended_pilot_rows(knowledge, aux, tmp_path, defended_config):
+    """At replay time, after the run's hijack state loads: the decoder learns to invert the pilot's rows
+    through the run's defense; pilot, discriminator and the hijack's generator stay as the run left them."""
+    run = build_attack("fsha", knowledge, **{**FAST, "pretrain_steps": 30}).fit(aux[:64])
+    (tmp_path / "attacks").mkdir()
+    run.save_state(tmp_path / "attacks" / "fsha.pt")
+    saved = run.state_dict()
+    config = defended_config("sparsify", {"sparsify.ratio": 0.6})
+
+    def replayed(**options):
+        attack = build_attack("fsha", knowledge, **FAST, **options)
+        attack.prepare_replay(ReplayContext(tmp_path, config, knowledge))
+        return attack.fit(aux[:64])
+
+    plain, adaptive = replayed(), replayed(adaptive=True, adaptive_steps=60)
+    assert plain.adapted_to is None and adaptive.adapted_to == ["sparsify"]
+    state = adaptive.state_dict()
+    for name, value in saved["pilot"].items():
+        assert torch.equal(state["pilot"][name], value)
+    for name, value in saved["discriminator"].items():
+        assert torch.equal(state["discriminator"][name], value)
+    assert torch.equal(state["generator"], saved["generator"])
+    assert any(not torch.equal(state["decoder"][name], value) for name, value in saved["decoder"].items())
+
+    # On the pilot's defended rows of the auxiliary images, the adapted decoder does better than the run's.
+    defense = AttackerDefense(knowledge, build_defenses(config), seed=99)
+    features, images = adaptive.aux_features[:32], adaptive.aux_images[:32]
+    with torch.no_grad():
+        rows = torch.stack(defense.visual_rows(adaptive.pilot, features)).float()
+        error = {name: float(F.mse_loss(attack.reconstruct(list(rows)), images))
+                 for name, attack in (("plain", plain), ("adaptive", adaptive))}
+    print(error)
+    assert error["adaptive"] < 0.8 * error["plain"]

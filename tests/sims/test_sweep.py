@@ -97,9 +97,35 @@ grid:
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\nwhere = { \"threat.mode\" = [\"passive\"] }\n",
      "unknown run-config key 'threat.mode'"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"sl\"] }\n", "points share a run name"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.actinv_masked]\nattack = \"actinvv\"\n",
+     "attacks.actinv_masked: attack = 'actinvv': no such attack"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.actinv_masked]\n",
+     "attacks.actinv_masked: no such attack"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\nattack = \"actinv\"\n",
+     "attacks.fora: the label names the attack 'fora' but replays 'actinv'"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.\"a/b\"]\nattack = \"actinv\"\n",
+     "attacks.a/b: a label is letters"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.actinv_masked]\nattack = \"actinv\"\n"
+     "options = { decoder_steps = 3 }\n", "attacks.actinv_masked.options: unknown key 'decoder_steps'"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_point_and_the_key(tmp_path, body, expected):
     assert expected in refusal(tmp_path, body)
+
+
+def test_an_attack_table_may_replay_a_registered_attack_under_a_label_of_its_own(tmp_path):
+    sweep = load_sweep(sweep_file(tmp_path, """
+[[grid]]
+name = "g"
+product = { paradigm = ["sl"] }
+[attacks.actinv]
+options = { iterations = 5 }
+[attacks.actinv_masked]
+attack = "actinv"
+options = { iterations = 5, mask_zeros = true }
+"""), out=tmp_path / "out")
+    plans = {plan.name: plan for plan in sweep.attacks}
+    assert (plans["actinv"].attack, plans["actinv_masked"].attack) == ("actinv", "actinv")
+    assert plans["actinv_masked"].options == {"iterations": 5, "mask_zeros": True}
 
 
 def test_a_point_whose_config_changed_since_its_run_folder_was_written_is_refused(tmp_path):
@@ -138,6 +164,36 @@ paradigm = ["cl", "cl"]
     assert "ModelNotAvailableError: the mini model (base stage) is not built" in rows["g-cl-1-mini"]["reason"]
     assert rows["g-cl-1-tiny"]["run"] == "finished"
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["starts"][0]["commit"]
+
+
+def test_defended_runs_and_labelled_results_load_as_their_own_rows(tmp_path):
+    def run_folder(name, defenses, results):
+        folder = tmp_path / "runs" / name
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "attacks").mkdir()
+        config = {"paradigm": "usl", "pruning.policy": "off", "pruning.ratio": 0.0, "threat.model": "passive",
+                  "privacy.defenses": defenses, "privacy.sparsify.ratio": 0.5, "privacy.sparsify.level": "element",
+                  "privacy.noise.variance": 0.01}
+        (folder / "config.json").write_text(json.dumps({"config": config, "fingerprint": name}))
+        (folder / "status.json").write_text(json.dumps({"state": "finished"}))
+        (folder / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, "test_count": 8}) + "\n")
+        for label, base, psnr in results:
+            (folder / "attacks" / f"{label}.json").write_text(json.dumps(
+                {"attack": label, "metrics": {"psnr": psnr}, "details": {"base_attack": base}}))
+
+    run_folder("plain", "", [("fora", "fora", 20.0)])
+    run_folder("sparse", "sparsify,noise", [("fora", "fora", 15.0), ("fora_adaptive", "fora", 18.0)])
+    loaded = R.load_results(tmp_path)
+    runs = loaded.runs.set_index("run")
+    assert runs.loc["sparse", "defenses"] == "sparsify+noise" and runs.loc["plain", "defenses"] == R.NO_DEFENSE
+    assert runs.loc["sparse", "defense_setting"] == "sparsify(level=element, ratio=0.5)+noise(variance=0.01)"
+    assert sorted(loaded.attacks["attack"]) == ["fora", "fora", "fora_adaptive"]
+    frontier = R.defense_frontier(loaded, "fora_adaptive")
+    assert list(frontier["run"]) == ["sparse"] and list(frontier["psnr"]) == [18.0]
+    assert set(R.defense_frontier(loaded, "fora")["defenses"]) == {R.NO_DEFENSE, "sparsify+noise"}
+    table = R.defense_table(loaded).set_index("defenses")
+    assert table.loc["sparsify+noise", ["fora_psnr", "fora_adaptive_psnr"]].tolist() == [15.0, 18.0]
+    assert list(R.attack_table(loaded)["fora_psnr"]) == [20.0]  # undefended runs only
 
 
 def test_the_loader_lists_a_run_folder_missing_or_tearing_a_file_as_incomplete(tmp_path):
@@ -200,6 +256,46 @@ def test_an_attack_result_made_with_other_options_is_refused_naming_them(smoke, 
     (tmp_path / "smoke.toml").write_text(changed)
     with pytest.raises(SweepError, match=r"other attacks.fora.options \(decoder_steps\)"):
         load_sweep(tmp_path / "smoke.toml", out=sweep.folder)
+
+
+LABELLED = """
+[attacks.actinv_masked]
+attack = "actinv"
+options = { iterations = 5, max_transfers = 1, refine_candidates = 0, mask_zeros = true }
+where = { "threat.model" = ["passive"] }
+"""
+
+
+def test_a_labelled_replay_lands_beside_the_plain_one_under_its_label(smoke, tmp_path):
+    sweep, _ = smoke
+    labelled = tmp_path / "smoke.toml"
+    labelled.write_text(SMOKE.read_text() + LABELLED)
+    passive = [p for p in sweep.points if p.config.threat.model == "passive"]
+    plain_before = {p.name: (p.folder / "attacks" / "actinv.json").stat().st_mtime_ns for p in passive}
+    again = load_sweep(labelled, out=sweep.folder)
+    assert set(run_sweep(again, progress=False).values()) == {"finished"}
+    for point in passive:
+        saved = json.loads((point.folder / "attacks" / "actinv_masked.json").read_text())
+        assert saved["attack"] == "actinv_masked" and saved["details"]["base_attack"] == "actinv"
+        assert saved["details"]["options"]["mask_zeros"] is True and "token_recall" in saved["metrics"]
+        assert (point.folder / "attacks" / "actinv.json").stat().st_mtime_ns == plain_before[point.name]
+        assert not [p for p in (point.folder / "attacks").iterdir() if p.name.startswith(".")]  # no scratch left
+        record = json.loads(sweep.point_record(point).read_text())["attacks"]["actinv_masked"]
+        assert (record["state"], record["attack"]) == ("finished", "actinv")
+    assert not any((p.folder / "attacks" / "actinv_masked.json").exists() for p in sweep.points if p not in passive)
+    loaded = R.load_results(sweep.folder)
+    rows = loaded.attacks[loaded.attacks["attack"] == "actinv_masked"]
+    assert len(rows) == len(passive) and set(rows["base_attack"]) == {"actinv"}
+    table = R.attack_table(loaded)
+    assert {"actinv_token_recall", "actinv_masked_token_recall"} <= set(table.columns)
+    assert len(R.defense_frontier(loaded, "actinv_masked", "token_recall")) == len(passive)
+    assert {"actinv_token_recall", "actinv_masked_token_recall"} <= set(R.defense_table(loaded).columns)
+    # The label's record holds what it replayed: another attack under the same label is refused.
+    (tmp_path / "other.toml").write_text(SMOKE.read_text() + LABELLED.replace('attack = "actinv"', 'attack = "mia"')
+                                         .replace("options = { iterations = 5, max_transfers = 1, refine_candidates = 0, "
+                                                  "mask_zeros = true }", ""))
+    with pytest.raises(SweepError, match=r"its actinv_masked result was made with attack 'actinv'"):
+        load_sweep(tmp_path / "other.toml", out=sweep.folder)
 
 
 def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_every_figure(smoke, tmp_path):

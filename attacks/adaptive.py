@@ -1,0 +1,134 @@
+"""The adaptive attacker's copy of the run's defense (Kerckhoffs: it knows the defense and its options).
+
+FORA's and FSHA's adaptive variants (`adaptive=True`) train their inverse network on
+auxiliary rows passed through the same activation-stage defenses the clients apply
+(privacy/: noise, sparsification, PriPert), so the decoder learns to invert defended
+rows rather than clean ones. `AttackerDefense` is that copy: the run's ACTIVATION
+defenses with the run's options, drawing its random numbers from the attacker's own
+seed (it cannot know the clients' privacy seed), applied to the visual rows the
+attacker's own front (substitute, pilot) computes for its auxiliary images.
+
+Where this differs from the client's own application: the attacker has only the
+visual rows of each auxiliary image (attacks.knowledge.visual_rows), not the text
+tokens around them, so each auxiliary sample is defended as one sample of its visual
+rows alone (lengths = rows per sample). Per-sample quantities are therefore taken
+over the visual rows only — sparsification's exact zero share, PriPert's direction
+(its Jacobian is that of the visual inputs -> visual rows map, with the template's
+prefix fixed in front, where the client's covers the whole prompt: prefix, visual
+and text rows), PriPert-L2's budget relative to the visual rows' norm. Noise is the
+same per element either way. LOSS-stage defenses (NoPeek) change how the client
+trains, not what it sends, and have no counterpart here.
+
+Where the run's defenses come from (`defenses_for_run`): the run's config (what
+`prepare_replay` is handed), else the recording header's description of them.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from attacks.knowledge import AttackerKnowledge
+from attacks.recording import Recording
+from config import SimConfig
+from privacy import ACTIVATION, DefenseChain, Payload, defense_class, options_from
+from training.defenses import build_defenses
+from vlm.segments import llava_parts, project_visual_features, run_decoder_layers
+
+
+def chain_from_description(description: Sequence[Mapping[str, Any]]) -> DefenseChain:
+    """A chain from its `describe()` (the recording header's "defenses")."""
+    names = [entry["name"] for entry in description]
+    options = {entry["name"]: options_from(defense_class(entry["name"]), entry.get("options", {}))
+               for entry in description}
+    return DefenseChain.build(names, options)
+
+
+def defenses_for_run(attack: str, config: SimConfig | None, recording: Recording | None = None) -> DefenseChain:
+    """The run's defenses: from its config, else from the recording's header; raises when neither says."""
+    if config is not None:
+        return build_defenses(config)
+    if recording is not None and "defenses" in recording.header:
+        return chain_from_description(recording.header["defenses"])
+    raise ValueError(
+        f"{attack} with adaptive=True re-applies the run's defenses: replay it on a run folder "
+        "(prepare_replay hands it the run's config) or on a recording whose header describes them"
+    )
+
+
+class AttackerDefense:
+    """The run's ACTIVATION-stage defenses as the attacker applies them to its own visual rows."""
+
+    def __init__(self, knowledge: AttackerKnowledge, chain: DefenseChain, seed: int) -> None:
+        self.knowledge = knowledge
+        self.chain = DefenseChain(chain.at(ACTIVATION), seed=seed)
+        # Every call draws anew (its own step), from the attacker's seed.
+        self.calls = 0
+
+    @property
+    def names(self) -> list[str]:
+        return self.chain.names
+
+    def visual_rows(
+        self, model: nn.Module, features: torch.Tensor, keep: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """`attacks.knowledge.visual_rows` (the same rows, differentiable in the model's parameters)
+        then the defenses, each image's visual rows one sample; [k_b, D] each."""
+        k = self.knowledge
+        batch = features.shape[0]
+        keep = [torch.arange(features.shape[1])] * batch if keep is None else list(keep)
+        if len(keep) != batch:
+            raise ValueError(f"got {len(keep)} keep sets for {batch} images")
+        weight = llava_parts(model).lm_head.weight
+        inputs: list[torch.Tensor | None] = [None] * batch
+        for members in _by_size([int(indices.numel()) for indices in keep]).values():
+            chosen = torch.stack([features[i, keep[i]] for i in members]).to(weight.device, weight.dtype)
+            for slot, visual in zip(members, project_visual_features(model, chosen), strict=True):
+                inputs[slot] = visual
+        lengths = torch.tensor([int(indices.numel()) for indices in keep])
+        packed = torch.cat(inputs)  # type: ignore[arg-type]
+        front = visual_front(model, k.prefix_ids, k.first_cut, lengths)
+        rows = front(packed)
+        self.calls += 1
+        seed = self.chain.seed_for(0, 0, self.calls)
+        defended = self.chain.apply((ACTIVATION,), Payload(rows, lengths, inputs=packed, front=front), seed)
+        return list(torch.split(defended.rows, lengths.tolist()))
+
+
+def visual_front(
+    model: nn.Module, prefix_ids: torch.Tensor, cut: int, lengths: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Packed visual input rows (projected visual tokens, [sum k_b, D]) -> their packed rows at `cut`,
+    each sample behind the template's prefix (as `visual_rows` runs them): `Payload.front` for
+    the attacker's samples."""
+    parts = llava_parts(model)
+    device = parts.lm_head.weight.device
+    with torch.no_grad():
+        prefix = parts.language_model.embed_tokens(prefix_ids.to(device)).detach()
+    sizes = [int(n) for n in lengths.tolist()]
+    groups = _by_size(sizes)
+    skip = prefix_ids.numel()
+
+    def front(inputs: torch.Tensor) -> torch.Tensor:
+        samples = torch.split(inputs, sizes)
+        out: list[torch.Tensor | None] = [None] * len(sizes)
+        for members in groups.values():
+            visual = torch.stack([samples[i] for i in members])
+            hidden = torch.cat([prefix.to(visual.dtype).unsqueeze(0).expand(len(members), -1, -1), visual], dim=1)
+            length = hidden.shape[1]
+            mask = torch.ones(len(members), length, dtype=torch.long, device=hidden.device)
+            positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(len(members), -1)
+            rows = run_decoder_layers(model, hidden, mask, positions, 0, cut)[:, skip:]
+            for slot, index in enumerate(members):
+                out[index] = rows[slot]
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    return front
+
+
+def _by_size(sizes: Sequence[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for index, size in enumerate(sizes):
+        groups.setdefault(size, []).append(index)
+    return groups
