@@ -1,0 +1,202 @@
+"""`qpriv-privacy`: privacy analyses of a model. `paf`: each sub-layer's PAF in front of a cut (privacy.paf).
+
+    qpriv-privacy paf --profile mini [--stage base] [--cut 4] [--samples 16] [--directions 100]
+                      [--tokens 8] [--tokens-from all|text|visual] [--theta pullback|output]
+                      [--sigma eig|sv] [--reduce sum|norm] [--no-attention] [--seed 0]
+                      [--threads 1] [--out DIR]
+
+The decoder inputs are what a client's front receives in training (training.data.RunData:
+the easy-VQA training rows of a run with `data.train_limit` = --samples and one client;
+vision tower, projector, the prompt with its visual tokens and the answer), so each
+sub-layer's Jacobian is taken at the inputs it really sees. Writes DIR/paf.json (every
+number, the options, the definition read), DIR/paf.md (a table, one row per sub-layer)
+and DIR/paf.png (PAF and max-PAF per sub-layer). DIR defaults to
+./paf-<profile>-<stage>-cut<N>.
+
+The command lives in sims/ because it builds the model and data from a run config
+(config, training, attacks); the analysis itself (privacy.paf) takes plain modules
+and tensors.
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from privacy.paf import ATTENTION, REDUCES, SIGMAS, SUBLAYERS, THETAS, PAFOptions, SubLayerPAF, front_paf
+from vlm.profiles import get_profile, profile_names
+
+STAGES = ("base", "vqa", "random")
+TOKEN_SETS = ("all", "text", "visual")
+
+
+class UsageError(ValueError):
+    """A bad command-line value, said in the words of the option."""
+
+
+@dataclass
+class Front:
+    """What a client's front works on: the public model and tokenizer (AttackerKnowledge), the rows,
+    their decoder inputs (vlm.segments.DecoderInputs) and the run's data (training.data.RunData)."""
+
+    knowledge: Any
+    rows: list
+    inputs: Any
+    data: Any
+
+
+def load_front(profile: str, stage: str, samples: int, *, seed: int = 0) -> Front:
+    """The public model of an SL run on `profile` whose one client holds `samples` easy-VQA training
+    rows (`data.train_limit`), those rows, and the decoder inputs its front gets for them in training
+    (prompt, visual tokens, answer)."""
+    from attacks.replay import knowledge_for_run
+    from config import load_config
+    from training.data import RunData
+    from vlm.segments import merge_multimodal_inputs, project_visual_features
+
+    # One client holding `samples` training rows: the run's data reads no more than it uses.
+    config = load_config({"model.profile": profile, "model.stage": stage, "model.seed": seed, "paradigm": "sl",
+                          "clients.count": 1, "data.train_limit": samples, "data.test_limit": 1,
+                          "output.name": "privacy-analysis"})
+    knowledge = knowledge_for_run(config)
+    data = RunData.build(config)
+    rows = list(data.train_shard(0))
+    with torch.no_grad():
+        features = knowledge.features(knowledge.pixel_values(rows)).to(knowledge.device)
+        visual = [project_visual_features(knowledge.model, features[i : i + 1])[0] for i in range(len(rows))]
+        inputs = merge_multimodal_inputs(
+            knowledge.model, [knowledge.prompt_ids(s.question) for s in rows], visual,
+            [knowledge.answer_ids(s.answer) for s in rows],
+        )
+    return Front(knowledge, rows, inputs, data)
+
+
+def check_paf_arguments(args: argparse.Namespace) -> None:
+    layers = get_profile(args.profile).num_layers
+    if args.cut is None:
+        args.cut = get_profile(args.profile).sl_cut
+    if not 1 <= args.cut <= layers:
+        raise UsageError(
+            f"--cut {args.cut}: profile {args.profile!r} has {layers} decoder layers, so a cut is in [1, {layers}] "
+            f"(the layers in front of it are analysed; {layers} analyses all of them)"
+        )
+    for flag, value, least in (("--samples", args.samples, 1), ("--directions", args.directions, 1),
+                               ("--tokens", args.tokens, 0), ("--threads", args.threads, 1)):
+        if value < least:
+            raise UsageError(f"{flag} {value}: must be at least {least}")
+
+
+def paf_report(results: list[SubLayerPAF], meta: dict[str, Any]) -> str:
+    o = meta["options"]
+    lines = [
+        f"# PAF per sub-layer: {meta['profile']} ({meta['stage']}), layers [0, {meta['cut']})",
+        "",
+        f"{meta['samples']} samples, {o['tokens_per_sample'] or 'all'} tokens each (from {meta['tokens_from']} tokens), "
+        f"{o['directions']} Monte-Carlo "
+        f"directions per Jacobian; reading theta={o['theta']}, sigma={o['sigma']}, reduce={o['reduce']} "
+        "(privacy/paf.py). mean ± std across tokens; MC s.e. is the Monte-Carlo standard error of one token's "
+        f"estimate; max-PAF is the worst direction's. {meta['seconds']:.1f} s.",
+        "",
+        "| layer | sub-layer | kind | J (m×n) | tokens | PAF | MC s.e. | max-PAF | worst token max-PAF | ‖J‖₂ |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.layer} | {r.name} | {r.kind} | {r.shape[0]}×{r.shape[1]} | {r.tokens} | "
+            f"{r.paf_mean:.3f} ± {r.paf_std:.3f} | {r.mc_stderr:.3f} | {r.max_paf_mean:.3f} ± {r.max_paf_std:.3f} | "
+            f"{r.max_paf_max:.3f} | {r.norm_mean:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def paf_plot(results: list[SubLayerPAF], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r.label for r in results]
+    x = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(results) + 2), 4))
+    ax.bar([i - 0.2 for i in x], [r.max_paf_mean for r in results], 0.4, label="max-PAF", color="tab:orange")
+    ax.bar([i + 0.2 for i in x], [r.paf_mean for r in results], 0.4, yerr=[r.paf_std for r in results],
+           label="PAF (mean ± std over tokens)", color="tab:blue")
+    ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("PAF")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_paf(args: argparse.Namespace) -> Path:
+    check_paf_arguments(args)
+    options = PAFOptions(directions=args.directions, theta=args.theta, sigma=args.sigma, reduce=args.reduce,
+                         tokens_per_sample=args.tokens, seed=args.seed)
+    sublayers = tuple(name for name in SUBLAYERS if not (args.no_attention and name == ATTENTION))
+    out = Path(args.out or f"paf-{args.profile}-{args.stage}-cut{args.cut}")
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    front = load_front(args.profile, args.stage, args.samples, seed=args.seed)
+    inputs = front.inputs
+    token_mask = {"all": None, "text": ~inputs.visual_token_mask, "visual": inputs.visual_token_mask}[args.tokens_from]
+    results = front_paf(front.knowledge.model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids,
+                        args.cut, options, sublayers=sublayers, token_mask=token_mask, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    meta = {"profile": args.profile, "stage": args.stage, "cut": args.cut, "samples": len(front.rows),
+            "options": asdict(options), "tokens_from": args.tokens_from, "sublayers": list(sublayers), "seconds": seconds,
+            "definition": "privacy/paf.py: PAF = E_δ Σ_i |‖J‖₂ cos θ_i / sqrt(σ_i + 1)|"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paf.json").write_text(json.dumps({**meta, "layers": [r.to_dict() for r in results]}, indent=2))
+    (out / "paf.md").write_text(paf_report(results, meta))
+    paf_plot(results, out / "paf.png", f"PAF, {args.profile} ({args.stage}), layers [0, {args.cut})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qpriv-privacy", description=__doc__.splitlines()[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    paf = commands.add_parser("paf", help="PAF and max-PAF of each sub-layer in front of a cut")
+    paf.add_argument("--profile", default="mini", choices=profile_names())
+    paf.add_argument("--stage", default="base", choices=STAGES,
+                     help="the weights (tiny always has random ones; llava-1.5-7b its checkpoint)")
+    paf.add_argument("--cut", type=int, help="analyse decoder layers [0, cut) (default: the profile's SL cut)")
+    paf.add_argument("--samples", type=int, default=16, help="easy-VQA training rows whose inputs are used")
+    paf.add_argument("--directions", type=int, default=100, help="Monte-Carlo directions δ per Jacobian")
+    paf.add_argument("--tokens", type=int, default=8, help="tokens drawn per sample (0: all)")
+    paf.add_argument("--tokens-from", choices=TOKEN_SETS, default="all",
+                     help="draw them among all non-padded tokens, the text's only, or the visual rows' only")
+    paf.add_argument("--theta", choices=THETAS, default="pullback", help="the angle θ_i's reading (privacy/paf.py)")
+    paf.add_argument("--sigma", choices=SIGMAS, default="eig", help="σ_i: eigenvalues of JᵀJ, or singular values")
+    paf.add_argument("--reduce", choices=REDUCES, default="sum", help="Σ|terms| (the paper) or their 2-norm")
+    paf.add_argument("--no-attention", action="store_true", help="leave out the attention block as a whole")
+    paf.add_argument("--seed", type=int, default=0, help="token draw, Monte-Carlo directions and the LoRA seed")
+    paf.add_argument("--out", help="the report folder (default ./paf-<profile>-<stage>-cut<N>)")
+    paf.add_argument("--threads", type=int, default=1,
+                     help="torch threads (default 1: its matrices are small, and threads only contend)")
+    paf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        out = run_paf(args)
+    except UsageError as error:
+        paf.error(str(error))
+    except Exception as error:  # a model that cannot be loaded: say why, without a traceback
+        from vlm.loading import ModelNotAvailableError
+
+        if not isinstance(error, ModelNotAvailableError):
+            raise
+        print(f"qpriv-privacy: {error}", file=sys.stderr)
+        return 2
+    print(f"PAF report: {out / 'paf.md'} (and paf.json, paf.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
