@@ -8,10 +8,12 @@ path's points, which agrees to first order). The direction that ‖Δ‖ grows f
 is the leading right singular vector u of J̄⁻¹, i.e. the left singular vector of J̄ with
 the smallest singular value σ. Computing it needs neither J̄ nor its inverse: Adam
 minimises each sample's Rayleigh quotient ‖J̄ᵀu‖² / ‖u‖² with one vector-Jacobian
-product (autograd) and one Jacobian-vector product (central differences of the front)
-per iteration (the front's Jacobian is block-diagonal across samples). `iterations`
-bounds the work; a few iterations find a direction deep in the low-σ subspace rather
-than the exact minimum (metric `inverse_gain`: the mean 1/σ reached).
+product (autograd, through each path point's one kept forward graph) and one
+Jacobian-vector product (a one-sided difference of the front) per iteration (the front's
+Jacobian is block-diagonal across samples). `iterations` bounds the work: a few find a
+direction deep in the low-σ subspace rather than the exact minimum (metric
+`inverse_gain`: the mean 1/σ reached), and the client's cost grows with them
+(benchmarks/defense_overhead.py).
 
 - `steps` (1–3, default 2): points t = 0, …, 1 on the path; 1 evaluates J at the input
   only, 2 adds the perturbed end (the paper's ∇F⁻¹(z) + ∇F⁻¹(ẑ)), 3 the midpoint. The
@@ -45,7 +47,7 @@ from privacy.sparsification import keep_largest
 
 VARIANTS = ("l0", "l2")
 KEEP = ("greedy", "sensitive")
-# Central-difference step, relative to the input's norm over the direction's.
+# Finite-difference step, relative to the input's norm over the direction's.
 _FD_SCALE = 1e-3
 
 
@@ -84,27 +86,32 @@ class PriPertOptions:
 
 
 class PathJacobian:
-    """J̄ and J̄ᵀ as operators on packed rows, averaged over `points` (input rows on the path)."""
+    """J̄ and J̄ᵀ as operators on packed rows, averaged over `points` (input rows on the path).
+
+    Each point's forward runs once: its graph is kept for every vector-Jacobian product, and
+    its output is the base of the one-sided differences that give the Jacobian-vector products.
+    """
 
     def __init__(self, front: Callable[[torch.Tensor], torch.Tensor], points: list[torch.Tensor]) -> None:
-        self.front, self.points = front, [point.detach() for point in points]
+        self.front = front
+        self.inputs = [point.detach().clone().requires_grad_() for point in points]
+        with torch.enable_grad():
+            self.outputs = [front(x) for x in self.inputs]
 
     def transpose_times(self, u: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros_like(self.points[0])
-        for point in self.points:
-            x = point.clone().requires_grad_()
-            with torch.enable_grad():
-                (grad,) = torch.autograd.grad(self.front(x), x, u)
+        total = torch.zeros_like(self.inputs[0])
+        for x, out in zip(self.inputs, self.outputs, strict=True):
+            (grad,) = torch.autograd.grad(out, x, u, retain_graph=True)
             total += grad
-        return total / len(self.points)
+        return total / len(self.inputs)
 
     @torch.no_grad()
     def times(self, v: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros_like(self.points[0])
-        for point in self.points:
-            eps = _FD_SCALE * float(point.norm()) / max(float(v.norm()), 1e-30)
-            total += (self.front(point + eps * v) - self.front(point - eps * v)) / (2 * eps)
-        return total / len(self.points)
+        total = torch.zeros_like(self.inputs[0])
+        for x, out in zip(self.inputs, self.outputs, strict=True):
+            eps = _FD_SCALE * float(x.norm()) / max(float(v.norm()), 1e-30)
+            total += (self.front(x.detach() + eps * v) - out.detach()) / eps
+        return total / len(self.inputs)
 
 
 class _Samples:
