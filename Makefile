@@ -18,5 +18,7 @@ sweeps: setup
 	.venv/bin/qpriv-mini build
 	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml
 	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml
+	.venv/bin/qpriv-sweep run sims/sweeps/defenses.toml
 	.venv/bin/python benchmarks/sweep_results.py paradigms
 	.venv/bin/python benchmarks/sweep_results.py pruning-attacks
+	.venv/bin/python benchmarks/sweep_results.py defenses

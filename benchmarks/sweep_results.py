@@ -2,6 +2,7 @@
 
     qpriv-sweep run sims/sweeps/paradigms.toml && python benchmarks/sweep_results.py paradigms
     qpriv-sweep run sims/sweeps/pruning-attacks.toml && python benchmarks/sweep_results.py pruning-attacks
+    qpriv-sweep run sims/sweeps/defenses.toml && python benchmarks/sweep_results.py defenses
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (default ~/qpriv-sweeps/<name>; --sweep) through sims/results.py, the
@@ -23,7 +24,7 @@ from sims.sweep import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
-SWEEPS = ("paradigms", "pruning-attacks")
+SWEEPS = ("paradigms", "pruning-attacks", "defenses")
 COMMAND = "python benchmarks/sweep_results.py"
 
 
@@ -50,6 +51,10 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
         tables["paradigms"] = records(R.paradigm_table(results))
         per_round = results.rounds.merge(results.runs[["run", "paradigm"]], on="run")
         tables["rounds"] = records(per_round[["paradigm", "round", "test_accuracy", "train_loss"]])
+    elif name == "defenses":
+        tables["defenses"] = records(R.defense_table(results))
+        tables["defense_claims"] = {p: records(R.defense_claims(results, p))
+                                    for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     else:
         tables["pruning"] = records(R.pruning_table(results))
         tables["attacks"] = records(R.attack_table(results))
@@ -126,6 +131,23 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
               _f(r["tpr_at_fpr_0.01"], ".3f"), _f(r["tpr_at_fpr_0.001"], ".3f")] for r in tables["mia"]])]
         for paradigm, rows in tables["claims"].items():
             lines += ["", f"## The papers' claims, {paradigm.upper()}", "", markdown_table(
+                ["claim", "paper", "measured", "verdict", "rule / reason"],
+                [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
+    if "defenses" in tables:
+        columns = [("actinv_token_recall", "ActInv recall"), ("actinv_masked_token_recall", "masked ActInv recall"),
+                   ("fora_psnr", "FORA dB"), ("fora_adaptive_psnr", "adaptive FORA dB"), ("fsha_psnr", "FSHA dB"),
+                   ("fsha_adaptive_psnr", "adaptive FSHA dB"), ("idlg_label_accuracy", "iDLG acc.")]
+        shown = [(key, title) for key, title in columns if any(r.get(key) is not None for r in tables["defenses"])]
+        lines += ["", "## Defenses", "", "Each run trained under its defense (test accuracy) and attacked by the plain "
+                  "attackers and those that know the defense (masked-cosine ActInv; FORA and FSHA whose inverse "
+                  "network trains on defended rows). ActInv: question-token recall; image attacks: PSNR in dB; "
+                  "iDLG: answer accuracy from USL's gradient at CB.", "", markdown_table(
+            ["paradigm", "defense", "test acc.", *(title for _, title in shown)],
+            [[r["paradigm"].upper(), r["defense_setting"], percent(r["test_accuracy"]),
+              *(_f(r.get(key), ".2f" if "psnr" not in key else ".1f") for key, _ in shown)]
+             for r in tables["defenses"]])]
+        for paradigm, rows in tables["defense_claims"].items():
+            lines += ["", f"## Seed 001's defense claims, {paradigm.upper()}", "", markdown_table(
                 ["claim", "paper", "measured", "verdict", "rule / reason"],
                 [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
     return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],

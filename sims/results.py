@@ -20,7 +20,7 @@ is the registered attack behind it (the headline metric comes from it).
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from sklearn.metrics import roc_curve
 
 from attacks.context import ATTACK_FOLDER
+from privacy import defense_class, parse_defense_names
 
 # Settings every table carries, from the run's resolved config.
 SETTINGS = {
@@ -41,6 +42,11 @@ SETTINGS = {
 # each one's options are the keys under privacy.<name>.
 DEFENSES_KEY = "privacy.defenses"
 NO_DEFENSE = "none"
+# The option that sets each defense's strength (per variant where it has them): the frontier's x axis.
+STRENGTH: dict[str, dict[str | None, str]] = {
+    "noise": {None: "variance"}, "grad_noise": {None: "variance"}, "sparsify": {None: "ratio"},
+    "grad_topk": {None: "ratio"}, "pripert": {None: "sparsity", "l2": "budget"}, "nopeek": {None: "weight"},
+}
 # Each attack's headline number (image attacks: PSNR in dB).
 HEADLINE = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
             "mia": "attack_success"}
@@ -83,24 +89,40 @@ def policy_label(policy: str, ratio: float) -> str:
 
 
 def defense_names(config: dict[str, Any]) -> list[str]:
-    """The run's defenses at the cut, in order (a comma-separated string in the run config)."""
-    value = config.get(DEFENSES_KEY) or []
-    names = [str(n).strip() for n in (value.split(",") if isinstance(value, str) else value) if str(n).strip()]
-    return [] if names == [NO_DEFENSE] else names
+    """The run's defenses at the cut, in order."""
+    return parse_defense_names(str(config.get(DEFENSES_KEY) or ""))
+
+
+def _options(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """A defense's options in the run that differ from the defense's defaults."""
+    defaults = asdict(defense_class(name).Options())
+    prefix = f"privacy.{name}."
+    return {key[len(prefix):]: value for key, value in sorted(config.items())
+            if key.startswith(prefix) and value != defaults.get(key[len(prefix):])}
+
+
+def _label(name: str, options: dict[str, Any]) -> str:
+    text = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in options.items())
+    return f"{name}({text})" if text else name
 
 
 def defense_setting(config: dict[str, Any]) -> str:
-    """The defenses with their options, as a label: "sparsify(level=element, ratio=0.5)+noise(variance=0.01)"."""
+    """The defenses with the options that differ from their defaults: "sparsify(ratio=0.7)+noise"."""
     names = defense_names(config)
-    if not names:
-        return NO_DEFENSE
-    parts = []
-    for name in names:
-        prefix = f"privacy.{name}."
-        options = sorted((key[len(prefix):], value) for key, value in config.items() if key.startswith(prefix))
-        text = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in options)
-        parts.append(f"{name}({text})")
-    return "+".join(parts)
+    return "+".join(_label(name, _options(config, name)) for name in names) if names else NO_DEFENSE
+
+
+def defense_series(config: dict[str, Any]) -> tuple[str, float | None]:
+    """A single-defense run's series (its setting without the option STRENGTH names) and that
+    strength: the frontier draws one line per series along the strength."""
+    names = defense_names(config)
+    if len(names) != 1 or names[0] not in STRENGTH:
+        return defense_setting(config), None
+    name = names[0]
+    option = STRENGTH[name].get(config.get(f"privacy.{name}.variant"), STRENGTH[name][None])
+    options = _options(config, name)
+    strength = config.get(f"privacy.{name}.{option}", asdict(defense_class(name).Options())[option])
+    return _label(name, {k: v for k, v in options.items() if k != option}), float(strength)
 
 
 def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -133,6 +155,7 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
         **{column: config.get(key) for column, key in SETTINGS.items()},
         "policy": policy_label(config.get("pruning.policy", "off"), config.get("pruning.ratio", 0.0)),
         "defenses": "+".join(defenses) if defenses else NO_DEFENSE, "defense_setting": defense_setting(config),
+        **dict(zip(("defense_series", "defense_strength"), defense_series(config), strict=True)),
         "state": status.get("state"), "error": status.get("error", ""), "rounds_done": len(rounds),
         "config": config,
     }
@@ -187,8 +210,8 @@ def load_results(*paths: str | Path) -> Results:
     attack_frame = pd.DataFrame(attacks)
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
-        keep = ["run", "paradigm", "policy", "threat", "defenses", "defense_setting", "kept_tokens_mean",
-                "test_accuracy"]
+        keep = ["run", "paradigm", "policy", "threat", "defenses", "defense_setting", "defense_series",
+                "defense_strength", "kept_tokens_mean", "test_accuracy"]
         attack_frame = attack_frame.merge(run_frame[[c for c in keep if c in run_frame]], on="run", how="left")
     return Results(run_frame, pd.DataFrame(rounds), attack_frame,
                    pd.DataFrame(incomplete, columns=["run", "folder", "reason"]))
@@ -293,7 +316,8 @@ def defense_table(results: Results) -> pd.DataFrame:
 def defense_frontier(results: Results, attack: str = "fora", metric: str = "psnr") -> pd.DataFrame:
     """Attack success against accuracy per defense and strength (the privacy-utility frontier);
     `attack` is a result label ("fora", or "fora_adaptive" for the adaptive replay)."""
-    columns = ["run", "paradigm", "defenses", "defense_setting", "policy", "test_accuracy", metric]
+    columns = ["run", "paradigm", "defenses", "defense_setting", "defense_series", "defense_strength", "policy",
+               "test_accuracy", metric]
     attacks = results.attacks
     if attacks.empty or attack not in set(attacks["attack"]) or metric not in attacks:
         return pd.DataFrame(columns=columns)
@@ -397,6 +421,79 @@ def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
         "the clients send their rows in patch order; token shuffling is a defense still to build")
     add("α sweep: accuracy 0.566 (α=0) vs 0.527 (α=1) on VQA-RAD", "Fig. 10", "—", None,
         "needs VQA-RAD and an α sweep on the 7B model")
+    return pd.DataFrame(rows)
+
+
+def _attack_at(attacks: pd.DataFrame, label: str, series: str, strength: float | None) -> pd.Series | None:
+    chosen = attacks[(attacks["attack"] == label) & (attacks["defense_series"] == series)]
+    if strength is not None:
+        chosen = chosen[np.isclose(chosen["defense_strength"].astype(float), strength)]
+    return None if chosen.empty else chosen.iloc[0]
+
+
+def _best_actinv(attacks: pd.DataFrame, series: str, strength: float | None, metric: str) -> float | None:
+    """The stronger of plain and masked ActInv (the attacker picks), on one defense setting."""
+    values = [row[metric] for label in ("actinv", "actinv_masked")
+              if (row := _attack_at(attacks, label, series, strength)) is not None and pd.notna(row.get(metric))]
+    return max(values) if values else None
+
+
+def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
+    """Seed 001's claims about its defenses, checked on `paradigm`'s defense runs (ActInv's
+    question-token metrics; the attacker's stronger of plain and masked cosine where both ran)."""
+    rows: list[dict[str, str]] = []
+    attacks = results.attacks
+    attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")] if not attacks.empty else attacks
+
+    def add(claim: str, paper: str, measured: str, holds: bool | None, reason: str) -> None:
+        rows.append({"claim": claim, "paper": paper, "measured": measured, "verdict": _verdict(holds), "reason": reason})
+
+    def fmt(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}"
+
+    if attacks.empty or "defense_series" not in attacks:
+        add("defense claims (seed 001)", "—", "—", None, f"no {paradigm} defense runs with attack results")
+        return pd.DataFrame(rows)
+    clean = _best_actinv(attacks, NO_DEFENSE, None, "token_recall")
+    for series, strength, claim in (("noise", 0.1, "ActInv robust to Gaussian noise up to variance 1e-1"),
+                                    ("sparsify", 0.7, "ActInv robust to element sparsification up to 0.7")):
+        defended = _best_actinv(attacks, series, strength, "token_recall")
+        add(claim, "precision/recall ≈ undefended", f"recall {fmt(defended)} (undefended {fmt(clean)})",
+            None if defended is None or clean is None else bool(defended >= 0.8 * clean),
+            "holds if the recall keeps at least 80% of the undefended run's")
+    # PriPert's series carries the sweep's fixed PriPert options (e.g. iterations) in its label.
+    pripert = sorted({str(x) for x in attacks["defense_series"].dropna() if str(x).startswith("pripert")
+                      and "steps=" not in str(x) and "variant=l2" not in str(x)})
+    sparse = _best_actinv(attacks, "sparsify", 0.5, "token_precision")
+    pert = _best_actinv(attacks, pripert[0], 0.5, "token_precision") if pripert else None
+    add("PriPert-L0 far below plain sparsification at sparsity 0.5", "ActInv precision 37% vs 93%",
+        f"{fmt(pert)} vs {fmt(sparse)}", None if pert is None or sparse is None else bool(pert <= 0.6 * sparse),
+        "holds if PriPert's precision is at most 60% of sparsification's (the paper's is 40%)")
+    steps = []
+    for count in (1, 2, 3):
+        labels = [x for x in {str(v) for v in attacks["defense_series"].dropna()} if x.startswith("pripert")
+                  and "variant=l2" not in x and (f"steps={count}" in x if count != 2 else "steps=" not in x)]
+        steps.append(_best_actinv(attacks, labels[0], 0.5, "rouge_l") if labels else None)
+    add("more PriPert path steps lower ActInv's ROUGE-L (sparsity 0.5)", "0.52 / 0.45 / 0.43 for 1 / 2 / 3 steps",
+        " / ".join(fmt(v) for v in steps),
+        None if None in steps else bool(steps[0] >= steps[1] >= steps[2] and steps[0] > steps[2]),
+        "holds if ROUGE-L does not rise with the steps and falls from 1 to 3")
+    for series, strength in (("sparsify", 0.5), ("sparsify", 0.9), (pripert[0] if pripert else "pripert", 0.5)):
+        plain, masked = (_attack_at(attacks, label, series, strength) for label in ("actinv", "actinv_masked"))
+        add(f"masked-cosine ActInv beats plain ActInv against {series} {strength:g}", "adaptive ≥ plain",
+            f"recall {fmt(None if masked is None else masked['token_recall'])} vs "
+            f"{fmt(None if plain is None else plain['token_recall'])}",
+            None if plain is None or masked is None else bool(masked["token_recall"] >= plain["token_recall"]),
+            "holds if the masked attacker recovers at least as many question tokens")
+    idlg_clean = _attack_at(attacks, "idlg", NO_DEFENSE, None)
+    for series, strength in (("grad_topk", 0.9), ("grad_noise", 1e-6)):
+        defended = _attack_at(attacks, "idlg", series, strength)
+        add(f"{series} {strength:g} at CB lowers iDLG's answer recovery", "—",
+            f"{fmt(None if defended is None else defended['label_accuracy'])} vs "
+            f"{fmt(None if idlg_clean is None else idlg_clean['label_accuracy'])} undefended",
+            None if defended is None or idlg_clean is None
+            else bool(defended["label_accuracy"] < idlg_clean["label_accuracy"] - 0.05),
+            "holds if the label accuracy falls by more than 0.05")
     return pd.DataFrame(rows)
 
 

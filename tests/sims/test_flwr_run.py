@@ -41,7 +41,7 @@ def flwr_home(tmp_path_factory):
 
 def test_a_sweep_runs_its_point_through_flwr_run_and_replays_the_recording(flwr_home, tmp_path):
     """The sweep's default runner: the point's run goes through `flwr run` (two round trips per
-    USL step), and its attack replays on what the server recorded."""
+    USL step), with defenses at both cuts, and its attack replays on what the server recorded."""
     sweep_file = tmp_path / "sweep.toml"
     sweep_file.write_text(f"""
 [sweep]
@@ -57,6 +57,9 @@ sim = "{SIMS / 'usl_easyvqa'}"
 "eval.every" = 2
 "threat.model" = "passive"
 "threat.aux_limit" = 8
+"privacy.defenses" = "noise,grad_topk"
+"privacy.noise.variance" = 1e-6
+"privacy.grad_topk.ratio" = 0.5
 [[grid]]
 name = "usl"
 product = {{ paradigm = ["usl"] }}
@@ -70,15 +73,23 @@ options = {{ iterations = 100, max_transfers = 2 }}
     assert records[0]["round_trips_per_step"] == pytest.approx((2 * 4 + 1) / 4)
     assert records[1]["test_count"] == 6
     # Under flwr run node ids are not partition ids; the run folder's nodes.json says which node held which.
-    nodes = {e.client for e in Recording.open(folder).entries}
+    recording = Recording.open(folder)
+    nodes = {e.client for e in recording.entries}
     assert len(nodes) == 2 and not nodes <= {1, 2}
+    assert [d["name"] for d in json.loads((folder / "status.json").read_text())["defenses"]] == ["noise", "grad_topk"]
+    for entry in recording.entries:
+        if entry.kind == "gradient at CB" and entry.stored:
+            grad = recording.tensors(entry)["grad"]
+            assert int((grad == 0).sum()) >= grad.numel() // 2  # top-k ran on the client, per sample
     result = json.loads((folder / "attacks" / "actinv.json").read_text())
     assert result["metrics"]["token_recall"] > 0.9
 
 
 def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home, tmp_path, assert_same_outcome):
-    """Flower gives the supernodes new random ids each run; clients take turns by partition."""
+    """Flower gives the supernodes new random ids each run; clients take turns by partition, and
+    their random defenses draw by partition, round and step, so an SL run with them repeats too."""
     overrides = {
+        "privacy.defenses": "nopeek,noise", "privacy.noise.variance": 1e-4,
         "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 4, "train.rounds": 1,
         "train.steps_per_round": 2, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 1,
         "output.root": str(tmp_path),
@@ -86,7 +97,7 @@ def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home
     folders = []
     for name in ("first", "second"):
         status, folder, process = launch(
-            SIMS / "usl_easyvqa", {**overrides, "output.name": name}, "num-supernodes=2 client-resources-num-cpus=1",
+            SIMS / "sl_easyvqa", {**overrides, "output.name": name}, "num-supernodes=2 client-resources-num-cpus=1",
             timeout_s=240,
         )
         assert status["state"] == "finished", status.get("error", process.stdout[-2000:])

@@ -3,6 +3,7 @@ in process, resumed, and drawn by the results notebook headless (what CI runs)."
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -172,8 +173,8 @@ def test_defended_runs_and_labelled_results_load_as_their_own_rows(tmp_path):
         (folder / "checkpoints").mkdir(parents=True)
         (folder / "attacks").mkdir()
         config = {"paradigm": "usl", "pruning.policy": "off", "pruning.ratio": 0.0, "threat.model": "passive",
-                  "privacy.defenses": defenses, "privacy.sparsify.ratio": 0.5, "privacy.sparsify.level": "element",
-                  "privacy.noise.variance": 0.01}
+                  "privacy.defenses": defenses, "privacy.sparsify.ratio": 0.7, "privacy.sparsify.level": "element",
+                  "privacy.noise.variance": 0.1}
         (folder / "config.json").write_text(json.dumps({"config": config, "fingerprint": name}))
         (folder / "status.json").write_text(json.dumps({"state": "finished"}))
         (folder / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_accuracy": 0.5, "test_count": 8}) + "\n")
@@ -186,7 +187,13 @@ def test_defended_runs_and_labelled_results_load_as_their_own_rows(tmp_path):
     loaded = R.load_results(tmp_path)
     runs = loaded.runs.set_index("run")
     assert runs.loc["sparse", "defenses"] == "sparsify+noise" and runs.loc["plain", "defenses"] == R.NO_DEFENSE
-    assert runs.loc["sparse", "defense_setting"] == "sparsify(level=element, ratio=0.5)+noise(variance=0.01)"
+    # Options are named where they differ from the defense's defaults.
+    assert runs.loc["sparse", "defense_setting"] == "sparsify(ratio=0.7)+noise(variance=0.1)"
+    run_folder("noisy", "noise", [("fora", "fora", 17.0)])
+    noisy = R.load_results(tmp_path).runs.set_index("run").loc["noisy"]
+    # A single defense's series leaves its strength out: the frontier's x.
+    assert (noisy["defense_series"], noisy["defense_strength"]) == ("noise", 0.1)
+    shutil.rmtree(tmp_path / "runs" / "noisy")
     assert sorted(loaded.attacks["attack"]) == ["fora", "fora", "fora_adaptive"]
     frontier = R.defense_frontier(loaded, "fora_adaptive")
     assert list(frontier["run"]) == ["sparse"] and list(frontier["psnr"]) == [18.0]
@@ -308,15 +315,20 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
     finally:
         del os.environ["QPRIV_RESULTS"]
     figures = [cell for cell in notebook.cells if cell.cell_type == "code" and "show(figure)" in cell.source.splitlines()]
-    assert len(figures) >= 8
+    assert len(figures) >= 7
     for cell in figures:
         assert any("image/png" in output.get("data", {}) for output in cell.outputs), cell.source[:80]
     claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.claims" in c.source)
     assert "holds" in json.dumps(claims.outputs)
+    # The smoke sweep's defended runs: the frontier is drawn, the defense claims are checked.
+    frontier = next(c for c in notebook.cells if c.cell_type == "code" and "R.defense_frontier" in c.source)
+    assert any("image/png" in output.get("data", {}) for output in frontier.outputs)
+    defense_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.defense_claims" in c.source)
+    assert "masked-cosine ActInv" in json.dumps(defense_claims.outputs)
 
 
 def test_the_shipped_sweeps_validate(tmp_path):
-    for name in ("paradigms", "pruning-attacks", "smoke"):
+    for name in ("paradigms", "pruning-attacks", "defenses", "smoke"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
