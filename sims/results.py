@@ -93,12 +93,18 @@ def defense_names(config: dict[str, Any]) -> list[str]:
     return parse_defense_names(str(config.get(DEFENSES_KEY) or ""))
 
 
+def _strength_option(config: dict[str, Any], name: str) -> str | None:
+    choices = STRENGTH.get(name)
+    return None if choices is None else choices.get(config.get(f"privacy.{name}.variant"), choices[None])
+
+
 def _options(config: dict[str, Any], name: str) -> dict[str, Any]:
-    """A defense's options in the run that differ from the defense's defaults."""
+    """A defense's options in the run that differ from the defense's defaults, and its strength."""
     defaults = asdict(defense_class(name).Options())
+    strength = _strength_option(config, name)
     prefix = f"privacy.{name}."
-    return {key[len(prefix):]: value for key, value in sorted(config.items())
-            if key.startswith(prefix) and value != defaults.get(key[len(prefix):])}
+    return {key[len(prefix):]: value for key, value in sorted(config.items()) if key.startswith(prefix)
+            and (value != defaults.get(key[len(prefix):]) or key[len(prefix):] == strength)}
 
 
 def _label(name: str, options: dict[str, Any]) -> str:
@@ -107,7 +113,8 @@ def _label(name: str, options: dict[str, Any]) -> str:
 
 
 def defense_setting(config: dict[str, Any]) -> str:
-    """The defenses with the options that differ from their defaults: "sparsify(ratio=0.7)+noise"."""
+    """The defenses with their strength and the options that differ from their defaults:
+    "sparsify(ratio=0.7)+noise(variance=0.01)"."""
     names = defense_names(config)
     return "+".join(_label(name, _options(config, name)) for name in names) if names else NO_DEFENSE
 
@@ -119,9 +126,9 @@ def defense_series(config: dict[str, Any]) -> tuple[str, float | None]:
     if len(names) != 1 or names[0] not in STRENGTH:
         return defense_setting(config), None
     name = names[0]
-    option = STRENGTH[name].get(config.get(f"privacy.{name}.variant"), STRENGTH[name][None])
+    option = _strength_option(config, name)
     options = _options(config, name)
-    strength = config.get(f"privacy.{name}.{option}", asdict(defense_class(name).Options())[option])
+    strength = options.get(option, asdict(defense_class(name).Options())[option])
     return _label(name, {k: v for k, v in options.items() if k != option}), float(strength)
 
 

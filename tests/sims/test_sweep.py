@@ -187,7 +187,7 @@ def test_defended_runs_and_labelled_results_load_as_their_own_rows(tmp_path):
     loaded = R.load_results(tmp_path)
     runs = loaded.runs.set_index("run")
     assert runs.loc["sparse", "defenses"] == "sparsify+noise" and runs.loc["plain", "defenses"] == R.NO_DEFENSE
-    # Options are named where they differ from the defense's defaults.
+    # Each defense's strength, and its other options where they differ from the defaults.
     assert runs.loc["sparse", "defense_setting"] == "sparsify(ratio=0.7)+noise(variance=0.1)"
     run_folder("noisy", "noise", [("fora", "fora", 17.0)])
     noisy = R.load_results(tmp_path).runs.set_index("run").loc["noisy"]
