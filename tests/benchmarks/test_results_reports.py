@@ -46,7 +46,7 @@ def test_provenance_names_the_commit_and_the_current_recipe():
     assert stamp["commit"] and stamp["measured"] and stamp["machine"]
 
 
-@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "paradigm_costs"])
+@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "paradigm_costs", "defense_overhead"])
 def test_the_committed_markdown_is_what_report_renders_from_the_committed_json(name, tmp_path):
     script = importlib.import_module(name)
     rendered = script.render_report(json.loads((RESULTS / f"{name}.json").read_text()), tmp_path)
@@ -55,7 +55,7 @@ def test_the_committed_markdown_is_what_report_renders_from_the_committed_json(n
     )
 
 
-@pytest.mark.parametrize("name", ["paradigms", "pruning_attacks"])
+@pytest.mark.parametrize("name", ["paradigms", "pruning_attacks", "defenses"])
 def test_the_committed_sweep_markdown_is_what_report_renders_from_the_committed_json(name, tmp_path):
     script = importlib.import_module("sweep_results")
     rendered = script.render_report(json.loads((RESULTS / f"{name}.json").read_text()), tmp_path, name)
