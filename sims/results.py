@@ -9,8 +9,11 @@
 Any folder is searched for run folders (those holding config.json), so a sweep folder, a
 folder of sweeps or single runs all load the same way. A run folder that lacks a file or
 holds a torn one is listed in `incomplete` with the reason, never raised. The helpers below
-(`mia_roc`, `reconstructions`, `claims`, `defense_frontier`, `defense_table`) read only what a
-run wrote.
+(`mia_roc`, `reconstructions`, `claims`, `defense_claims`, `defense_frontier`, `defense_table`)
+read only what a run wrote. A defended run's `defense_setting` names each defense with its
+strength and the options that differ from its defaults; a single-defense run also has a
+`defense_series` (the setting without its strength) and a `defense_strength`, the frontier's
+line and x.
 
 An attack result's `attack` is the label it was saved under: a sweep may replay one attack
 several times with other options (`[attacks.actinv_masked] attack = "actinv"`), and each label
@@ -217,7 +220,7 @@ def load_results(*paths: str | Path) -> Results:
     attack_frame = pd.DataFrame(attacks)
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
-        keep = ["run", "paradigm", "policy", "threat", "defenses", "defense_setting", "defense_series",
+        keep = ["run", "sweep", "paradigm", "policy", "threat", "defenses", "defense_setting", "defense_series",
                 "defense_strength", "kept_tokens_mean", "test_accuracy"]
         attack_frame = attack_frame.merge(run_frame[[c for c in keep if c in run_frame]], on="run", how="left")
     return Results(run_frame, pd.DataFrame(rounds), attack_frame,
@@ -446,11 +449,16 @@ def _best_actinv(attacks: pd.DataFrame, series: str, strength: float | None, met
 
 
 def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
-    """Seed 001's claims about its defenses, checked on `paradigm`'s defense runs (ActInv's
-    question-token metrics; the attacker's stronger of plain and masked cosine where both ran)."""
+    """Seed 001's claims about its defenses, checked on `paradigm`'s unpruned defense runs against
+    the undefended runs of the same sweeps (ActInv's question-token metrics; the attacker's
+    stronger of plain and masked cosine where both ran)."""
     rows: list[dict[str, str]] = []
     attacks = results.attacks
-    attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")] if not attacks.empty else attacks
+    if not attacks.empty:
+        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")
+                          & (attacks["policy"] == "off")]
+        # Undefended references from the sweeps that ran defenses (same data, steps and attack options).
+        attacks = attacks[attacks["sweep"].isin(set(attacks[attacks["defenses"] != NO_DEFENSE]["sweep"]))]
 
     def add(claim: str, paper: str, measured: str, holds: bool | None, reason: str) -> None:
         rows.append({"claim": claim, "paper": paper, "measured": measured, "verdict": _verdict(holds), "reason": reason})
