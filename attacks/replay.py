@@ -66,13 +66,15 @@ def replay(
     node_partitions: Mapping[int, int] | None = None,
     partition: int = 0,
     output: str | Path | None = None,
+    save: bool = True,
 ) -> AttackResult:
     """Fit `attack` on auxiliary data (`aux_limit` rows; None: the run's `threat.aux_limit`, the
     public data its server had), run it on the run's recording, score and save it.
 
     `attack` may also be an attack already fitted for another run of the same model and cuts
     (a sweep over pruning policies fits a passive attack once); it is then only run, and
-    `options` and `aux_limit` do not apply."""
+    `options` and `aux_limit` do not apply. `save=False` leaves the saving to the caller (a
+    sweep saves a labelled replay under its label)."""
     folder = Path(run_folder).expanduser()
     recording = Recording.open(folder)
     if not recording.config:
@@ -88,7 +90,8 @@ def replay(
     result = instance.run(recording, truth)
     result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,
                              "pruning": config.pruning.policy, "profile": config.model.profile}
-    result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
+    if save:
+        result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
     return result
 
 

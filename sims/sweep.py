@@ -45,7 +45,6 @@ import itertools
 import json
 import re
 import sys
-import tempfile
 import time
 import tomllib
 import traceback
@@ -455,14 +454,10 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
 def _replay_as(plan: AttackPlan, point: Point, attack: str | Attack, options: Mapping[str, Any] | None = None) -> None:
     """Replay `attack` on the point's run and save its result under the plan's label
     (`<run>/attacks/<label>.json`, "attack" the label, details.base_attack the registered attack)."""
-    results = point.folder / ATTACK_FOLDER
-    results.mkdir(parents=True, exist_ok=True)
-    # replay saves under the attack's own name: into a scratch folder, the label's files are saved after.
-    with tempfile.TemporaryDirectory(prefix=f".{plan.name}-", dir=results) as scratch:
-        result = replay(point.folder, attack, options=options, output=scratch)
+    result = replay(point.folder, attack, options=options, save=False)
     result.attack = plan.name
     result.details.update(base_attack=plan.attack, options=plan.options)
-    result.save(results)
+    result.save(point.folder / ATTACK_FOLDER)
 
 
 def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
