@@ -1,4 +1,5 @@
-"""`qpriv-privacy`: privacy analyses of a model. `paf`: each sub-layer's PAF in front of a cut (privacy.paf).
+"""`qpriv-privacy`: privacy analyses of a model. `paf`: each sub-layer's PAF in front of a cut (privacy.paf);
+`positions`: how much patch position each visual token's row carries (attacks.position_probes).
 
     qpriv-privacy paf --profile mini [--stage base] [--cut 4] [--samples 16] [--directions 100]
                       [--tokens 8] [--tokens-from all|text|visual] [--theta pullback|output]
@@ -13,9 +14,17 @@ number, the options, the definition read), DIR/paf.md (a table, one row per sub-
 and DIR/paf.png (PAF and max-PAF per sub-layer). DIR defaults to
 ./paf-<profile>-<stage>-cut<N>.
 
-The command lives in sims/ because it builds the model and data from a run config
-(config, training, attacks); the analysis itself (privacy.paf) takes plain modules
-and tensors.
+    qpriv-privacy positions --profile mini [--stage base] [--dataset easyvqa-stamped] [--images 512]
+                            [--test-share 0.25] [--probes linear,mlp] [--seed 0] [--threads 1] [--out DIR]
+
+Probes a row's patch index at every vision layer up to the feature layer and at the first
+cut (patch order and shuffled), on --images distinct training images of the dataset, a
+--test-share of them held out. Writes DIR/positions.json, .md (a table: accuracy per place
+and probe against chance) and .png. DIR defaults to ./positions-<profile>-<stage>.
+
+The commands live in sims/ because they build the model and data from a run config
+(config, training, attacks); the analyses themselves (privacy.paf, attacks.position_probes)
+take plain modules, tensors and samples.
 """
 
 import argparse
@@ -159,6 +168,99 @@ def run_paf(args: argparse.Namespace) -> Path:
     return out
 
 
+def check_positions_arguments(args: argparse.Namespace) -> None:
+    from attacks.position_probes import PROBES
+
+    if args.images < 2:
+        raise UsageError(f"--images {args.images}: must be at least 2 (some train the probes, some score them)")
+    if not 0 < args.test_share < 1:
+        raise UsageError(f"--test-share {args.test_share}: must be in (0, 1)")
+    probes = tuple(p.strip() for p in args.probes.split(",") if p.strip())
+    unknown = [p for p in probes if p not in PROBES]
+    if unknown or not probes:
+        raise UsageError(f"--probes {args.probes!r}: a comma-separated subset of {', '.join(PROBES)}")
+    args.probes = probes
+    if args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be at least 1")
+
+
+def positions_report(places: list, meta: dict[str, Any]) -> str:
+    probes = meta["options"]["probes"]
+    lines = [
+        f"# Patch position per visual row: {meta['profile']} ({meta['stage']}), {meta['dataset']}",
+        "",
+        f"{meta['images']} distinct training images ({meta['options']['test_share']:.0%} held out to score), "
+        f"{meta['num_patches']} patch positions (chance {1 / meta['num_patches']:.1%}); each probe reads one row's "
+        "patch index (attacks/position_probes.py). The vision rows are the tower's, up to the feature layer LLaVA "
+        f"reads (layer {meta['feature_layer']}); the cut rows are what a front sends at decoder layer "
+        f"{meta['first_cut']}, in patch order or shuffled per image. {meta['seconds']:.0f} s.",
+        "",
+        "| place | width | " + " | ".join(f"{p} probe" for p in probes) + " |",
+        "|---|---|" + "---|" * len(probes),
+    ]
+    for place in places:
+        lines.append(f"| {place.place} | {place.width} | " + " | ".join(f"{place.accuracy[p]:.1%}" for p in probes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def positions_plot(places: list, meta: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    probes = meta["options"]["probes"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(places) + 1), 3.8))
+    width = 0.8 / len(probes)
+    for i, probe in enumerate(probes):
+        ax.bar([x + (i - (len(probes) - 1) / 2) * width for x in range(len(places))],
+               [place.accuracy[probe] for place in places], width, label=f"{probe} probe")
+    ax.axhline(1 / meta["num_patches"], color="grey", linestyle="--", label="chance")
+    ax.set_xticks(range(len(places)), [place.place for place in places], rotation=25, ha="right", fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("patch position accuracy (held-out images)")
+    ax.set_title(f"Position per visual row, {meta['profile']} ({meta['stage']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_positions(args: argparse.Namespace) -> Path:
+    from attacks.position_probes import PositionProbeOptions, distinct_images, position_probes
+    from attacks.replay import knowledge_for_run
+    from config import load_config
+    from training.data import RunData
+
+    check_positions_arguments(args)
+    options = PositionProbeOptions(test_share=args.test_share, probes=args.probes, seed=args.seed)
+    out = Path(args.out or f"positions-{args.profile}-{args.stage}")
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    # The attacker's view of an SL run: its public model and cuts; the images are training
+    # images no client of this one-row run holds.
+    config = load_config({"model.profile": args.profile, "model.stage": args.stage, "model.seed": args.seed,
+                          "paradigm": "sl", "clients.count": 1, "data.dataset": args.dataset,
+                          "data.train_limit": 1, "data.test_limit": 1, "threat.aux_split": "train",
+                          "output.name": "privacy-analysis"})
+    knowledge = knowledge_for_run(config)
+    # Several questions share an image: draw rows until enough distinct images are in hand.
+    samples = distinct_images(RunData.build(config).auxiliary(8 * args.images))[: args.images]
+    if len(samples) < args.images:
+        raise UsageError(f"--images {args.images}: {args.dataset} has only {len(samples)} training images to probe")
+    places = position_probes(knowledge, samples, options, progress=not args.no_progress)
+    # The last vision place is the feature layer LLaVA reads (vlm.segments.vision_hidden_states).
+    feature_layer = max(p.layer for p in places if p.kind == "vision")
+    meta = {"profile": args.profile, "stage": args.stage, "dataset": args.dataset, "images": len(samples),
+            "num_patches": knowledge.num_patches, "first_cut": knowledge.first_cut,
+            "feature_layer": feature_layer, "options": asdict(options), "seconds": time.perf_counter() - start}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "positions.json").write_text(json.dumps({**meta, "places": [p.to_dict() for p in places]}, indent=2))
+    (out / "positions.md").write_text(positions_report(places, meta))
+    positions_plot(places, meta, out / "positions.png")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qpriv-privacy", description=__doc__.splitlines()[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,11 +284,25 @@ def main(argv: list[str] | None = None) -> int:
     paf.add_argument("--threads", type=int, default=1,
                      help="torch threads (default 1: its matrices are small, and threads only contend)")
     paf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    positions = commands.add_parser("positions", help="probe each visual row's patch position, layer by layer")
+    positions.add_argument("--profile", default="mini", choices=profile_names())
+    positions.add_argument("--stage", default="base", choices=STAGES,
+                           help="the weights (tiny always has random ones; llava-1.5-7b its checkpoint)")
+    positions.add_argument("--dataset", default="easyvqa-stamped", help="whose training images are probed")
+    positions.add_argument("--images", type=int, default=512, help="distinct training images")
+    positions.add_argument("--test-share", type=float, default=0.25, help="share of the images held out to score")
+    positions.add_argument("--probes", default="linear,mlp", help="comma-separated: linear, mlp")
+    positions.add_argument("--seed", type=int, default=0, help="image split, shuffles and the MLP's initialisation")
+    positions.add_argument("--out", help="the report folder (default ./positions-<profile>-<stage>)")
+    positions.add_argument("--threads", type=int, default=1, help="torch threads")
+    positions.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    command, run, name = {"paf": (paf, run_paf, "paf"), "positions": (positions, run_positions, "positions")}[
+        args.command]
     try:
-        out = run_paf(args)
+        out = run(args)
     except UsageError as error:
-        paf.error(str(error))
+        command.error(str(error))
     except Exception as error:  # a model that cannot be loaded: say why, without a traceback
         from vlm.loading import ModelNotAvailableError
 
@@ -194,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"qpriv-privacy: {error}", file=sys.stderr)
         return 2
-    print(f"PAF report: {out / 'paf.md'} (and paf.json, paf.png)")
+    print(f"{args.command} report: {out / f'{name}.md'} (and {name}.json, {name}.png)")
     return 0
 
 

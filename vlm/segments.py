@@ -52,8 +52,10 @@ def llava_parts(model: nn.Module) -> LlavaParts:
     )
 
 
-def vision_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """Patch features [B, N, Dv] at the configured vision feature layer.
+def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    """The patch rows [B, N, Dv] the vision tower holds after its embeddings (index 0) and
+    after each layer up to the configured vision feature layer (the last entry is what
+    LLaVA reads); the CLS row is dropped as LLaVA's "default" feature selection drops it.
 
     Only the CLIP layers up to the selected one run: the later layers (and the
     post-layernorm, which only feeds the pooled output) would be wasted compute.
@@ -68,12 +70,17 @@ def vision_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tenso
     encoder_layers = tower.encoder.layers
     # hidden_states[0] is the (pre-layernormed) embedding output, hidden_states[i] the output of layer i.
     layers_to_run = feature_layer % (len(encoder_layers) + 1)
-    hidden_states = tower.pre_layrnorm(tower.embeddings(pixel_values))
+    hidden_states = [tower.pre_layrnorm(tower.embeddings(pixel_values))]
     for layer in encoder_layers[:layers_to_run]:
-        hidden_states = layer(hidden_states, None)
+        hidden_states.append(layer(hidden_states[-1], None))
     if parts.config.vision_feature_select_strategy == "default":
-        hidden_states = hidden_states[:, 1:]
+        return [h[:, 1:] for h in hidden_states]
     return hidden_states
+
+
+def vision_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """Patch features [B, N, Dv] at the configured vision feature layer."""
+    return vision_hidden_states(model, pixel_values)[-1]
 
 
 def project_visual_features(model: nn.Module, features: torch.Tensor) -> torch.Tensor:

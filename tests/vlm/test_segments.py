@@ -16,6 +16,7 @@ from vlm.segments import (
     run_decoder_layers,
     run_segment,
     vision_features,
+    vision_hidden_states,
 )
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -96,6 +97,16 @@ def test_vision_features_match_llava_and_skip_unused_layers(tiny_model, pixel_va
     assert features.shape == (3, TINY.num_patches, TINY.vision_hidden_size)
     reference = torch.stack(tiny_model.model.get_image_features(pixel_values).pooler_output)
     torch.testing.assert_close(project_visual_features(tiny_model, features), reference, **TOLERANCE)
+
+
+def test_vision_hidden_states_are_huggingfaces_patch_rows_up_to_the_feature_layer(tiny_model, pixel_values):
+    states = vision_hidden_states(tiny_model, pixel_values)
+    reference = llava_parts(tiny_model).vision_tower(pixel_values, output_hidden_states=True).hidden_states
+    layer = TINY.vision_feature_layer % len(reference)
+    assert len(states) == layer + 1
+    for mine, theirs in zip(states, reference, strict=False):
+        torch.testing.assert_close(mine, theirs[:, 1:], **TOLERANCE)
+    torch.testing.assert_close(states[-1], vision_features(tiny_model, pixel_values))
 
 
 @pytest.mark.parametrize("cuts", CUTS)
