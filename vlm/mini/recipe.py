@@ -25,6 +25,13 @@ class MiniRecipe:
     # must carry the whole image on its own, which a loss on the mean does not ask for
     # (results/mini_targets.md has the one-token probe per vision layer).
     vision_token_loss_weight: float = 1.0
+    # Each patch token also names its own patch (a linear head over the N grid positions):
+    # 0 leaves position to whatever the attribute losses keep, and they keep almost none
+    # by the feature layer (the whole image on every token, under random shifts), whereas
+    # CLIP's patch tokens keep it (seed 002, Fig. 2). A positive weight builds the mini
+    # variant on which position-recovery attacks (SARA) and defenses against them can be
+    # measured at all (`qpriv-privacy positions` probes what each layer keeps).
+    vision_position_loss_weight: float = 0.0
     # Stage 2, the base: projector + decoder learn to describe images and answer
     # instructions generated from the captions (LLaVA's own way of making instruction
     # data), in wordings other than easy-VQA's and without negation.
@@ -115,12 +122,20 @@ class MiniRecipe:
             raise ValueError(f"base_check_accuracy={self.base_check_accuracy}: must be within [0, 1]")
         if self.base_attempts < 1:
             raise ValueError(f"base_attempts={self.base_attempts}: must be at least 1")
-        if self.vision_token_loss_weight < 0:
-            raise ValueError(f"vision_token_loss_weight={self.vision_token_loss_weight}: must be >= 0")
+        for name in ("vision_token_loss_weight", "vision_position_loss_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if not 0.0 <= self.vqa_random_keep_share <= 1.0:
             raise ValueError(f"vqa_random_keep_share={self.vqa_random_keep_share}: must be within [0, 1]")
         if self.vqa_max_turns < 1:
             raise ValueError(f"vqa_max_turns={self.vqa_max_turns}: must be at least 1")
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """The cache key. Fields added after the first builds count only when set away from
+        their default, so every recipe built before they existed keeps its folder."""
+        fields = {k: v for k, v in asdict(self).items() if not (k in _ADDED_LATER and v == _ADDED_LATER[k])}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# Recipe fields added after the first builds, with the default that leaves a build as it was.
+_ADDED_LATER = {"vision_position_loss_weight": 0.0}

@@ -148,6 +148,8 @@ def pretrain_vision(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         shape_head, color_head = nn.Linear(width, len(SHAPES)), nn.Linear(width, len(COLORS))
+        vision = parts.config.vision_config
+        position_head = nn.Linear(width, (vision.image_size // vision.patch_size) ** 2)
     shapes = torch.tensor([SHAPES.index(a.shape) if a.shape else UNKNOWN_LABEL for a in attributes])
     colors = torch.tensor([COLORS.index(a.color) if a.color else UNKNOWN_LABEL for a in attributes])
     parts.vision_tower.train()
@@ -167,9 +169,15 @@ def pretrain_vision(
         if recipe.vision_token_loss_weight:
             # [tokens, images, width]: each image's labels broadcast over its tokens.
             loss = loss + recipe.vision_token_loss_weight * attribute_loss(features.transpose(0, 1), index)
+        if recipe.vision_position_loss_weight:
+            patches = torch.arange(features.shape[1]).expand(features.shape[:2])
+            loss = loss + recipe.vision_position_loss_weight * F.cross_entropy(
+                position_head(features).flatten(0, 1), patches.flatten())
         return loss
 
     parameters = [*parts.vision_tower.parameters(), *shape_head.parameters(), *color_head.parameters()]
+    if recipe.vision_position_loss_weight:
+        parameters += list(position_head.parameters())
     loss = _optimise(
         parameters,
         lr=recipe.vision_lr,
