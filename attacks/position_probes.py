@@ -43,7 +43,7 @@ class PositionProbeOptions:
     max_iter: int = 300
     seed: int = 0
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if not 0 < self.test_share < 1:
             raise ValueError(f"test_share={self.test_share} must be in (0, 1)")
         unknown = [p for p in self.probes if p not in PROBES]
@@ -138,7 +138,6 @@ def position_probes(knowledge: AttackerKnowledge, samples: Sequence[VQASample],
                     options: PositionProbeOptions | None = None, *, progress: bool = True) -> list[PlaceProbe]:
     """Every place's probe accuracies (`PlaceProbe.accuracy`, keyed by probe)."""
     options = options or PositionProbeOptions()
-    options.validate()
     places = rows_by_place(knowledge, samples, seed=options.seed)
     bar = tqdm(total=len(places) * len(options.probes), desc="position probes", disable=not progress)
     for place, rows, labels in places:

@@ -8,15 +8,30 @@
 3. Decoder (`GridDecoder`): full grid -> image.
 
 All three are trained on the attacker's auxiliary images through its copy of the
-public front, under a simulated defense: random keep sets (share drawn from
-`keep_ratios`) sent in random order when `shuffle`. Pruned rows are *recomputed* for
-each keep set — after the front's attention and rotary positions they differ from
-the unpruned rows of the same patches, which is exactly what the MAE must undo.
+public front. The TPP learns from simulated sends: random keep sets (share drawn from
+`keep_ratios`) in random order when `shuffle`. Pruned rows are *recomputed* for each
+keep set — after the front's attention and rotary positions they differ from the
+unpruned rows of the same patches.
 
-The paper's widths (d = 384 for the TPP, 768 for the MAE) are ViT-B's; here the MAE
-works at the decoder width D and the TPP at `tpp_width`.
+As the paper trains them (`stage_inputs="paper"`), the MAE restores full grids with a
+random share of their rows zeroed and the decoder inverts full grids, each independently
+of the stages before it. `stage_inputs="chained"` trains each later stage on the previous
+stage's real outputs instead (the MAE on the TPP's placement of recomputed pruned rows,
+misplaced and dropped rows included; the decoder on the MAE's output), which is what it
+meets in an attack.
+
+Structure and budgets are the paper's (Table 1): the TPP is Linear D→D/2, two Transformer
+encoder layers, Linear→N (ViT-B: 768→384); the MAE four encoder layers at the row width D
+with a learned positional embedding; the decoder a linear projection and transposed
+convolutions from `decoder_width` channels, halving (ViT-B: 768→256→128→64→32), then a
+3×3 convolution to RGB. TPP and decoder train 20 epochs, the MAE 10, at learning rates
+1e-4, 1e-3 (decoder) and 1e-4. An epoch is ceil(items / batch_size) minibatches drawn at
+random. The paper's auxiliary set is a quarter of ImageNet's training split; a run's is
+`threat.aux_limit` rows of `threat.aux_split` (set them to a quarter of a training split no
+client uses to match it), far fewer images, so the paper's epochs are far fewer steps.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,28 +56,49 @@ from attacks.observations import VisualSpans, pruned, score_images, visual_obser
 from attacks.recording import Recording
 from vqa import VQASample
 
+STAGE_INPUTS = ("paper", "chained")
+
 
 @dataclass
 class SARAOptions:
     keep_ratios: tuple[float, float] = (0.3, 1.0)
     shuffle: bool = True
+    # Simulated sends per auxiliary image (each its own keep set and order).
     variants_per_image: int = 2
-    tpp_steps: int = 1500
-    # The paper trains TPP and MAE at 1e-4 for 20 and 10 epochs of a large set; with a few
-    # thousand steps 1e-3 gets there (higher diverges).
-    tpp_lr: float = 1e-3
-    tpp_width: int = 128
-    mae_steps: int = 1000
-    mae_lr: float = 1e-3
+    tpp_epochs: int = 20
+    tpp_lr: float = 1e-4
+    # None: half the row width, as ViT-B's 768 -> 384.
+    tpp_width: int | None = None
+    mae_epochs: int = 10
+    mae_lr: float = 1e-4
     mae_layers: int = 4
-    decoder_steps: int = 2000
+    decoder_epochs: int = 20
     decoder_lr: float = 1e-3
-    decoder_width: int = 128
+    # The first transposed convolution's channels (the paper's 256 after ViT-B's 768).
+    decoder_width: int = 256
+    # What the MAE and the decoder learn from: "paper" (full grids, independently) or
+    # "chained" (the previous stage's outputs).
+    stage_inputs: str = "paper"
     # τ: a row is placed only if its top position probability reaches it (the paper uses 0).
     threshold: float = 0.0
     batch_size: int = 32
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        low, high = self.keep_ratios
+        if not 0 < low <= high <= 1:
+            raise ValueError(f"keep_ratios={self.keep_ratios} must satisfy 0 < low <= high <= 1")
+        if self.stage_inputs not in STAGE_INPUTS:
+            raise ValueError(f"stage_inputs={self.stage_inputs!r}; allowed: {', '.join(STAGE_INPUTS)}")
+        for name in ("variants_per_image", "batch_size", "mae_layers", "decoder_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("tpp_epochs", "mae_epochs", "decoder_epochs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 0")
+        if self.tpp_width is not None and self.tpp_width < 1:
+            raise ValueError(f"tpp_width={self.tpp_width} must be at least 1 (or None: half the row width)")
 
 
 class SARA(Attack):
@@ -72,9 +108,6 @@ class SARA(Attack):
 
     def fit(self, aux: Sequence[VQASample]) -> "SARA":
         k, o = self.knowledge, self.options
-        low, high = o.keep_ratios
-        if not 0 < low <= high <= 1:
-            raise ValueError(f"keep_ratios={o.keep_ratios} must satisfy 0 < low <= high <= 1")
         self.aux = list(aux)
         pixels = k.pixel_values(self.aux)
         self.aux_images = k.unit_images(pixels)
@@ -91,7 +124,7 @@ class SARA(Attack):
             # The auxiliary image behind each simulated row set.
             source = torch.arange(len(self.aux)).repeat(o.variants_per_image)
         with seeded(o.seed):
-            self.tpp = TokenPositionPredictor(k.hidden_size, n, o.tpp_width)
+            self.tpp = TokenPositionPredictor(k.hidden_size, n, o.tpp_width or max(1, k.hidden_size // 2))
             self.mae = FeatureMAE(k.hidden_size, n, o.mae_layers)
             self.decoder = GridDecoder(k.hidden_size, k.grid, k.image_size, o.decoder_width)
         padded, padding = _pad(sent_rows)
@@ -103,25 +136,46 @@ class SARA(Attack):
             logits = self.tpp(padded[batch], padding[batch])
             return F.cross_entropy(logits.flatten(0, 1), targets[batch].flatten(), ignore_index=-100)
 
-        self._train(self.tpp, tpp_loss, len(sent_rows), o.tpp_steps, o.tpp_lr)
-        # Each later stage learns from the previous stage's real outputs (misplaced and
-        # dropped rows included), not from ideal inputs it would never see in an attack.
-        placed = place_on_grid(sent_rows, self.predict_positions(sent_rows), n)
-        self._train(self.mae, lambda b: F.mse_loss(self.mae(placed[b]), full[source[b]]),
-                    len(sent_rows), o.mae_steps, o.mae_lr)
-        with torch.no_grad():
-            restored = torch.cat([self.mae(placed[i : i + 256]) for i in range(0, len(sent_rows), 256)])
-        self._train(self.decoder, lambda b: F.mse_loss(self.decoder(restored[b]), self.aux_images[source[b]]),
-                    len(sent_rows), o.decoder_steps, o.decoder_lr)
+        self._train(self.tpp, tpp_loss, len(sent_rows), o.tpp_epochs, o.tpp_lr)
+        if o.stage_inputs == "chained":
+            placed = place_on_grid(sent_rows, self.predict_positions(sent_rows), n)
+            self._train(self.mae, lambda b: F.mse_loss(self.mae(placed[b]), full[source[b]]),
+                        len(sent_rows), o.mae_epochs, o.mae_lr)
+            with torch.no_grad():
+                decoder_inputs = torch.cat([self.mae(placed[i : i + 256]) for i in range(0, len(sent_rows), 256)])
+            decoder_source = source
+        else:
+            # The paper's MAE: full grids with the rows of a random share of positions zeroed
+            # (the share a simulated send leaves out), drawn afresh for every minibatch.
+            mask_generator = torch.Generator().manual_seed(o.seed + 1)
+
+            def mae_loss(batch: torch.Tensor) -> torch.Tensor:
+                masked = full[source[batch]].clone()
+                for row in masked:
+                    row[self._dropped(mask_generator)] = 0
+                return F.mse_loss(self.mae(masked), full[source[batch]])
+
+            self._train(self.mae, mae_loss, len(sent_rows), o.mae_epochs, o.mae_lr)
+            decoder_inputs, decoder_source = full, torch.arange(len(self.aux))
+        self._train(self.decoder,
+                    lambda b: F.mse_loss(self.decoder(decoder_inputs[b]), self.aux_images[decoder_source[b]]),
+                    len(decoder_inputs), o.decoder_epochs, o.decoder_lr)
         return self
 
-    def _train(self, module: torch.nn.Module, loss, items: int, steps: int, lr: float) -> None:
+    def _train(self, module: torch.nn.Module, loss, items: int, epochs: int, lr: float) -> None:
         o = self.options
+        steps = epochs * math.ceil(items / o.batch_size)
         bar = tqdm(total=steps, desc=f"SARA {type(module).__name__}", disable=not o.progress)
         adam_steps(module.parameters(), loss, items, steps=steps, lr=lr, batch_size=o.batch_size, seed=o.seed,
                    progress=bar.update)
         bar.close()
         module.eval()
+
+    def _dropped(self, generator: torch.Generator) -> torch.Tensor:
+        """The positions a simulated send leaves out."""
+        left_out = torch.ones(self.knowledge.num_patches, dtype=torch.bool)
+        left_out[self._simulated_keep(generator)] = False
+        return left_out.nonzero().flatten()
 
     def _simulated_keep(self, generator: torch.Generator) -> torch.Tensor:
         n = self.knowledge.num_patches
@@ -144,7 +198,13 @@ class SARA(Attack):
         """Images and the predicted slots for observed row sets."""
         slots = self.predict_positions(observed)
         grid = place_on_grid([rows.float() for rows in observed], slots, self.knowledge.num_patches)
-        return self.decoder(self.mae(grid)), slots
+        return self.decoder(self._complete(grid, slots)), slots
+
+    def _complete(self, grid: torch.Tensor, slots: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The MAE's restoration of each grid with empty positions; a full grid passes as it is
+        (the paper bypasses the MAE then)."""
+        full = torch.tensor([int((s >= 0).sum()) == self.knowledge.num_patches for s in slots])
+        return torch.where(full[:, None, None], grid, self.mae(grid))
 
     @torch.no_grad()
     def reconstruct_without_positions(self, observed: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -152,7 +212,7 @@ class SARA(Attack):
         the attacker that shuffling is meant to stop."""
         slots = [spread_slots(rows.shape[0], self.knowledge.num_patches) for rows in observed]
         grid = place_on_grid([rows.float() for rows in observed], slots, self.knowledge.num_patches)
-        return self.decoder(self.mae(grid))
+        return self.decoder(self._complete(grid, slots))
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge

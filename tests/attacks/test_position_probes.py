@@ -60,9 +60,9 @@ def test_the_probes_score_only_on_images_they_never_trained_on(places):
 
 def test_bad_options_are_refused_naming_the_option():
     with pytest.raises(ValueError, match="test_share=1"):
-        PositionProbeOptions(test_share=1).validate()
+        PositionProbeOptions(test_share=1)
     with pytest.raises(ValueError, match="probes=\\('cnn',\\)"):
-        PositionProbeOptions(probes=("cnn",)).validate()
+        PositionProbeOptions(probes=("cnn",))
 
 
 def test_the_command_on_tiny_writes_one_row_per_place(tmp_path):
