@@ -7,6 +7,7 @@ of `llava-1.5-7b`; `mini` and `tiny` carry small random-but-seeded encoders of t
 classes, with a DINO grid coarser than the CLIP grid so the bilinear upsample is real.
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ MINI = register_pruning_profile(
         threshold_hidden=(64, 64),
     )
 )
+
+# The mini variant whose vision stage keeps patch positions has the mini's encoders.
+MINI_POSITIONAL = register_pruning_profile(dataclasses.replace(MINI, name="mini-positional"))
 
 TINY = register_pruning_profile(
     PruningProfile(

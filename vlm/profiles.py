@@ -4,6 +4,7 @@ A profile holds every architectural number and default cut in one place, so the
 paper-scale model, the offline mini model and the test model differ only in data.
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -241,6 +242,15 @@ MINI = register_profile(
         usl_cuts=(2, 6),
         k_min=2,
     )
+)
+
+# The same architecture, built with a patch-position loss in its vision stage
+# (vlm/mini/recipe.py: vision_position_loss_weight): its visual rows keep where their patch
+# was, as CLIP's do, which the default mini's lose by the feature layer. Position-recovery
+# attacks (SARA) and the defenses against them are measured on it.
+MINI_POSITIONAL = register_profile(
+    dataclasses.replace(MINI, name="mini-positional",
+            description="The mini model whose visual rows keep their patch position (SARA, the positionless edge)")
 )
 
 TINY = register_profile(

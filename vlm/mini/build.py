@@ -22,7 +22,7 @@ from vlm.features import VisionFeatureCache
 from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model, clip_image_preprocessor
 from vlm.lora import apply_lora
 from vlm.mini.attributes import image_attributes
-from vlm.mini.recipe import MiniRecipe
+from vlm.mini.recipe import MiniRecipe, recipe_for
 from vlm.mini.stages import BaseComparisonStalled, instruction_texts, pretrain_vision, train_base, train_vqa_lora
 from vlm.mini.tokenizer import build_word_tokenizer
 from vlm.profiles import MINI, Profile
@@ -178,19 +178,21 @@ def load_mini(
     profile: Profile = MINI,
     *,
     stage: str = "vqa",
-    recipe: MiniRecipe = MiniRecipe(),
+    recipe: MiniRecipe | None = None,
     root: Path | None = None,
 ) -> ModelBundle:
-    """The built mini model: `stage="base"` before the VQA LoRA stage, `"vqa"` after it."""
+    """The built mini model: `stage="base"` before the VQA LoRA stage, `"vqa"` after it;
+    `recipe` defaults to the profile's (recipe.RECIPES)."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}; allowed: {STAGES}")
+    recipe = recipe or recipe_for(profile.name)
     folder = MiniFolder(recipe, root)
     needed = [folder.tokenizer, folder.base] + ([folder.lora] if stage == "vqa" else [])
     missing = [path.name for path in needed if not path.exists()]
     if missing:
         raise ModelNotAvailableError(
             f"the mini model ({stage} stage) is not built in {folder.path} (missing: {', '.join(missing)}). "
-            f"Build it once with `{BUILD_COMMAND}` (about 13 minutes on 2 idle CPU cores; set {CACHE_ENV} to "
+            f"Build it once with `{BUILD_COMMAND}{'' if profile.name == MINI.name else f' --profile {profile.name}'}` (about 13 minutes on 2 idle CPU cores; set {CACHE_ENV} to "
             "build elsewhere)."
         )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)

@@ -8,24 +8,26 @@ from vlm.answering import answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.loading import ModelNotAvailableError
 from vlm.mini.build import STAGES, MiniBuildFailed, MiniFolder, build_mini, load_mini
-from vlm.mini.recipe import MiniRecipe
+from vlm.mini.recipe import RECIPES, recipe_for
+from vlm.profiles import get_profile
 from vqa import aggregate_accuracy, load_vqa
 
 
-def _evaluate(stage: str, limit: int | None, root: Path | None) -> dict:
-    recipe = MiniRecipe()
+def _evaluate(profile: str, stage: str, limit: int | None, root: Path | None) -> dict:
+    recipe = recipe_for(profile)
     try:
-        bundle = load_mini(stage=stage, recipe=recipe, root=root)
+        bundle = load_mini(get_profile(profile), stage=stage, root=root)
     except ModelNotAvailableError:
-        print("The mini model is not built yet: building it now (cached for every later run).")
+        print(f"The {profile} model is not built yet: building it now (cached for every later run).")
         build_mini(recipe, root=root)
-        bundle = load_mini(stage=stage, recipe=recipe, root=root)
+        bundle = load_mini(get_profile(profile), stage=stage, root=root)
     test = load_vqa("easyvqa", "test", limit=limit)
     features = VisionFeatureCache(bundle.model, bundle.preprocess_images)
     features.load(MiniFolder(recipe, root).features)
     predictions = answer_questions(bundle.model, bundle.tokenizer, features, test, instruction=recipe.instruction)
     report = aggregate_accuracy(predictions, test)
     return {
+        "profile": profile,
         "stage": stage,
         "samples": len(test),
         "accuracy": report.overall.accuracy,
@@ -36,6 +38,8 @@ def _evaluate(stage: str, limit: int | None, root: Path | None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qpriv-mini", description=__doc__)
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $QPRIV_CACHE_DIR)")
+    parser.add_argument("--profile", choices=list(RECIPES), default="mini",
+                        help="which mini model: mini, or mini-positional (its visual rows keep their patch position)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("build", help="train the mini model (resumes an interrupted build)")
     evaluate = commands.add_parser("evaluate", help="accuracy on the easy-VQA test split (builds first if needed)")
@@ -44,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            folder = build_mini(MiniRecipe(), root=args.cache_dir)
+            folder = build_mini(recipe_for(args.profile), root=args.cache_dir)
             print(json.dumps(folder.read_report(), indent=2))
             print(f"built in {folder.path}")
         else:
-            print(json.dumps(_evaluate(args.stage, args.limit, args.cache_dir), indent=2))
+            print(json.dumps(_evaluate(args.profile, args.stage, args.limit, args.cache_dir), indent=2))
     except MiniBuildFailed as failure:
         parser.exit(1, f"qpriv-mini: {failure}\n")
 

@@ -139,3 +139,14 @@ class MiniRecipe:
 
 # Recipe fields added after the first builds, with the default that leaves a build as it was.
 _ADDED_LATER = {"vision_position_loss_weight": 0.0}
+
+
+# The recipe each mini profile is built with (vlm/profiles.py registers the profiles).
+RECIPES = {"mini": MiniRecipe(), "mini-positional": MiniRecipe(vision_position_loss_weight=1.0)}
+
+
+def recipe_for(profile: str) -> MiniRecipe:
+    try:
+        return RECIPES[profile]
+    except KeyError:
+        raise ValueError(f"no mini recipe for profile {profile!r}; mini profiles: {', '.join(RECIPES)}") from None

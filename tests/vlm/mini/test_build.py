@@ -126,3 +126,20 @@ def test_an_unknown_stage_is_rejected_with_the_allowed_ones(tmp_path):
 
 def test_changing_the_recipe_changes_the_cache_folder(tmp_path):
     assert MiniFolder(QUICK, tmp_path).path != MiniFolder(MiniRecipe(seed=1), tmp_path).path
+
+
+def test_the_positional_profile_is_the_mini_architecture_built_with_its_own_recipe(tmp_path):
+    from vlm.mini import RECIPES, recipe_for
+    from vlm.profiles import MINI, MINI_POSITIONAL
+
+    assert {f: getattr(MINI_POSITIONAL, f) for f in ("vision", "text", "image_size", "patch_size", "usl_cuts")} == {
+        f: getattr(MINI, f) for f in ("vision", "text", "image_size", "patch_size", "usl_cuts")}
+    assert recipe_for("mini").vision_position_loss_weight == 0
+    assert recipe_for("mini-positional").vision_position_loss_weight > 0
+    assert MiniFolder(RECIPES["mini-positional"], tmp_path).path != MiniFolder(RECIPES["mini"], tmp_path).path
+    # Loaded by name through the registry, from its own folder, and built by its own command.
+    with pytest.raises(ModelNotAvailableError, match=r"qpriv-mini build --profile mini-positional") as missing:
+        load_model("mini-positional", stage="base", root=tmp_path)
+    assert recipe_for("mini-positional").fingerprint() in str(missing.value)
+    with pytest.raises(ValueError, match="no mini recipe for profile 'tiny'"):
+        recipe_for("tiny")
