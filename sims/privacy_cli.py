@@ -226,28 +226,35 @@ def positions_plot(places: list, meta: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run_positions(args: argparse.Namespace) -> Path:
-    from attacks.position_probes import PositionProbeOptions, distinct_images, position_probes
+def attacker_view(profile: str, stage: str, dataset: str, images: int, *, seed: int = 0) -> tuple[Any, list]:
+    """The attacker of an SL run on `profile`: its public model and cuts (AttackerKnowledge), and
+    `images` distinct training images of `dataset` that no client of this one-row run holds."""
+    from attacks.position_probes import distinct_images
     from attacks.replay import knowledge_for_run
     from config import load_config
     from training.data import RunData
+
+    config = load_config({"model.profile": profile, "model.stage": stage, "model.seed": seed,
+                          "paradigm": "sl", "clients.count": 1, "data.dataset": dataset,
+                          "data.train_limit": 1, "data.test_limit": 1, "threat.aux_split": "train",
+                          "output.name": "privacy-analysis"})
+    knowledge = knowledge_for_run(config)
+    # Several questions share an image: draw rows until enough distinct images are in hand.
+    samples = distinct_images(RunData.build(config).auxiliary(8 * images))[:images]
+    if len(samples) < images:
+        raise UsageError(f"--images {images}: {dataset} has only {len(samples)} training images")
+    return knowledge, samples
+
+
+def run_positions(args: argparse.Namespace) -> Path:
+    from attacks.position_probes import PositionProbeOptions, position_probes
 
     check_positions_arguments(args)
     options = PositionProbeOptions(test_share=args.test_share, probes=args.probes, seed=args.seed)
     out = Path(args.out or f"positions-{args.profile}-{args.stage}")
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    # The attacker's view of an SL run: its public model and cuts; the images are training
-    # images no client of this one-row run holds.
-    config = load_config({"model.profile": args.profile, "model.stage": args.stage, "model.seed": args.seed,
-                          "paradigm": "sl", "clients.count": 1, "data.dataset": args.dataset,
-                          "data.train_limit": 1, "data.test_limit": 1, "threat.aux_split": "train",
-                          "output.name": "privacy-analysis"})
-    knowledge = knowledge_for_run(config)
-    # Several questions share an image: draw rows until enough distinct images are in hand.
-    samples = distinct_images(RunData.build(config).auxiliary(8 * args.images))[: args.images]
-    if len(samples) < args.images:
-        raise UsageError(f"--images {args.images}: {args.dataset} has only {len(samples)} training images to probe")
+    knowledge, samples = attacker_view(args.profile, args.stage, args.dataset, args.images, seed=args.seed)
     places = position_probes(knowledge, samples, options, progress=not args.no_progress)
     # The last vision place is the feature layer LLaVA reads (vlm.segments.vision_hidden_states).
     feature_layer = max(p.layer for p in places if p.kind == "vision")
