@@ -72,6 +72,10 @@ class SARAOptions:
     mae_epochs: int = 10
     mae_lr: float = 1e-4
     mae_layers: int = 4
+    # The share of positions the paper-trained MAE's inputs zero, drawn per grid (the paper
+    # does not give it). None: what a simulated send leaves out (1 - keep_ratios); a
+    # shuffle-only attacker still needs some, for positions the TPP's collisions leave empty.
+    mae_mask_ratios: tuple[float, float] | None = None
     decoder_epochs: int = 20
     decoder_lr: float = 1e-3
     # The first transposed convolution's channels (the paper's 256 after ViT-B's 768).
@@ -89,6 +93,8 @@ class SARAOptions:
         low, high = self.keep_ratios
         if not 0 < low <= high <= 1:
             raise ValueError(f"keep_ratios={self.keep_ratios} must satisfy 0 < low <= high <= 1")
+        if self.mae_mask_ratios is not None and not 0 <= self.mae_mask_ratios[0] <= self.mae_mask_ratios[1] < 1:
+            raise ValueError(f"mae_mask_ratios={self.mae_mask_ratios} must satisfy 0 <= low <= high < 1 (or None)")
         if self.stage_inputs not in STAGE_INPUTS:
             raise ValueError(f"stage_inputs={self.stage_inputs!r}; allowed: {', '.join(STAGE_INPUTS)}")
         for name in ("variants_per_image", "batch_size", "mae_layers", "decoder_width"):
@@ -145,8 +151,8 @@ class SARA(Attack):
                 decoder_inputs = torch.cat([self.mae(placed[i : i + 256]) for i in range(0, len(sent_rows), 256)])
             decoder_source = source
         else:
-            # The paper's MAE: full grids with the rows of a random share of positions zeroed
-            # (the share a simulated send leaves out), drawn afresh for every minibatch.
+            # The paper's MAE: full grids with the rows of a random share of positions zeroed,
+            # drawn afresh for every minibatch.
             mask_generator = torch.Generator().manual_seed(o.seed + 1)
 
             def mae_loss(batch: torch.Tensor) -> torch.Tensor:
@@ -172,10 +178,15 @@ class SARA(Attack):
         module.eval()
 
     def _dropped(self, generator: torch.Generator) -> torch.Tensor:
-        """The positions a simulated send leaves out."""
-        left_out = torch.ones(self.knowledge.num_patches, dtype=torch.bool)
-        left_out[self._simulated_keep(generator)] = False
-        return left_out.nonzero().flatten()
+        """The positions one of the MAE's training grids has zeroed: `mae_mask_ratios` of them, or
+        by default those a simulated send leaves out."""
+        n, ratios = self.knowledge.num_patches, self.options.mae_mask_ratios
+        if ratios is None:
+            left_out = torch.ones(n, dtype=torch.bool)
+            left_out[self._simulated_keep(generator)] = False
+            return left_out.nonzero().flatten()
+        share = ratios[0] + (ratios[1] - ratios[0]) * float(torch.rand((), generator=generator))
+        return torch.randperm(n, generator=generator)[: round(share * n)]
 
     def _simulated_keep(self, generator: torch.Generator) -> torch.Tensor:
         n = self.knowledge.num_patches

@@ -70,8 +70,9 @@ def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     places = position_probes(knowledge, samples[: args.probe_images], probe_options, progress=not args.no_progress)
     probed = time.perf_counter()
 
-    options = {"keep_ratios": (1.0, 1.0), "shuffle": True, "stage_inputs": "paper", "seed": args.seed,
-               "progress": not args.no_progress, **dict(args.sara_option)}
+    # Unpruned sends; the MAE learns to fill up to half the grid (what collisions leave empty).
+    options = {"keep_ratios": (1.0, 1.0), "shuffle": True, "stage_inputs": "paper", "mae_mask_ratios": (0.0, 0.5),
+               "seed": args.seed, "progress": not args.no_progress, **dict(args.sara_option)}
     sara = build_attack("sara", knowledge, **options).fit(aux)
     fitted = time.perf_counter()
     n = knowledge.num_patches
@@ -187,7 +188,7 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"--profiles {args.profiles!r}: known profiles are {', '.join(profile_names())}")
     args.profiles = profiles
     try:
-        SARAOptions(**{"keep_ratios": (1.0, 1.0), **dict(args.sara_option)})
+        SARAOptions(**{"keep_ratios": (1.0, 1.0), "mae_mask_ratios": (0.0, 0.5), **dict(args.sara_option)})
     except (TypeError, ValueError) as error:
         parser.error(f"--sara-option: {error}")
 

@@ -59,5 +59,7 @@ def test_bad_options_are_refused_before_any_training(knowledge):
         build_attack("sara", knowledge, stage_inputs="stacked")
     with pytest.raises(ValueError, match=r"keep_ratios=\(0.8, 0.2\) must satisfy"):
         build_attack("sara", knowledge, keep_ratios=(0.8, 0.2))
+    with pytest.raises(ValueError, match=r"mae_mask_ratios=\(0.2, 1.0\) must satisfy"):
+        build_attack("sara", knowledge, mae_mask_ratios=(0.2, 1.0))
     with pytest.raises(ValueError, match="tpp_width=0 must be at least 1"):
         build_attack("sara", knowledge, tpp_width=0)
