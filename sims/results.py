@@ -355,12 +355,22 @@ def _verdict(holds: bool | None) -> str:
     return "not testable" if holds is None else ("holds" if holds else "does not hold")
 
 
+def policy_comparisons(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the sweeps that vary the pruning policy (loose run folders count as one sweep):
+    what a comparison of policies reads. Another sweep's undefended runs (the defense sweep's
+    references) used other data and attack options."""
+    if frame.empty or "sweep" not in frame:
+        return frame
+    return frame[frame.groupby("sweep")["policy"].transform("nunique") > 1]
+
+
 def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
     """Each checkable claim of the papers: the paper's number, the number measured here on
     `paradigm`'s runs, and whether it holds, with the reason; claims these runs cannot test say why."""
     rows: list[dict[str, str]] = []
     attacks = results.attacks
     attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)] if not attacks.empty else attacks
+    attacks = policy_comparisons(attacks)
 
     def add(claim: str, paper: str, measured: str, holds: bool | None, reason: str) -> None:
         rows.append({"claim": claim, "paper": paper, "measured": measured, "verdict": _verdict(holds), "reason": reason})
@@ -376,6 +386,7 @@ def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
         "holds if DTP lowers success by more than 0.05 from the unpruned run")
     runs = results.finished()
     runs = runs[(runs["paradigm"] == paradigm) & (runs["defenses"] == NO_DEFENSE)] if not runs.empty else runs
+    runs = policy_comparisons(runs)
     dtp_run = _one(runs, policy="dtp", threat="passive")
     ratio = None if dtp_run is None else dtp_run.get("exclusion_ratio")
     add("sensitivity exclusion ratio of DTP", f"{PAPER_EXCLUSION_RATIO[0]:.2f} ± {PAPER_EXCLUSION_RATIO[1]:.2f}",
