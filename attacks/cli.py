@@ -19,7 +19,8 @@ from attacks.base import attack_class, available_attacks
 from attacks.replay import replay
 
 
-def _option(text: str) -> tuple[str, Any]:
+def parse_option(text: str) -> tuple[str, Any]:
+    """One attack option from the command line: KEY=VALUE, the value read as JSON where it parses."""
     key, separator, value = text.partition("=")
     if not separator or not key:
         raise argparse.ArgumentTypeError(f"options are key=value, got {text!r}")
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="replay an attack against a recorded run folder")
     run.add_argument("run_folder", help="a run folder holding recording/ (Recorder.factory)")
     run.add_argument("attack", choices=available_attacks())
-    run.add_argument("-o", "--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
+    run.add_argument("-o", "--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
                      help="an attack option (see `list`); repeatable")
     run.add_argument("--aux-limit", type=int,
                      help="auxiliary (public) rows the attacker trains on (default: the run's threat.aux_limit)")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from attacks import build_attack
+from attacks.cli import parse_option
 from attacks.knowledge import visual_rows
 from attacks.metrics import image_metrics
 from attacks.position_probes import PROBES, PositionProbeOptions, position_probes
@@ -48,18 +49,6 @@ STAGE, DATASET = "base", "easyvqa-stamped"
 PAPER = {"aligned_ssim": 0.700, "shuffled_ssim": 0.246}
 READS = {"aligned": "decoder, aligned rows", "shuffled": "decoder, shuffled rows in arrival order",
          "sara": "SARA on shuffled rows"}
-
-
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--sara-option {text!r}: expected KEY=VALUE, e.g. tpp_lr=1e-3")
-    for kind in (int, float):
-        try:
-            return key, kind(value)
-        except ValueError:
-            pass
-    return key, value
 
 
 def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -200,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--victims", type=int, default=128, help="other training images it reconstructs")
     parser.add_argument("--probe-images", type=int, default=512, help="images the position probes use")
     parser.add_argument("--probes", default="linear,mlp", help="comma-separated: linear, mlp")
-    parser.add_argument("--sara-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--sara-option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
                         help="a SARA option over the paper's (attacks/sara.py), e.g. tpp_lr=1e-3; repeatable")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", default="", help="what else ran on the machine (kept in the JSON)")
