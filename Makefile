@@ -4,8 +4,10 @@
 setup:
 	@bash scripts/setup.sh
 
+# Two workers for CI's two cores; whole files per worker, so module fixtures are built once and
+# the `flwr run` tests (fixed ports) share one SuperLink.
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 run: setup
 	.venv/bin/qpriv-mini build
