@@ -7,7 +7,8 @@ batch of each training step from the seeded order (training.batches.batch_positi
 A split client's step is located by the transfer's round and occurrence; an FL
 update covers its round's T_l steps. Under pruning, the patches each sample sent are
 the run's own selector applied again to that step's samples (every policy is a
-deterministic function of the image and the question).
+deterministic function of the image and the question), and under EDGE defenses the
+client's vision edge run again with that step's defense seed (training.batches.sent_visual_rows).
 """
 
 import json
@@ -22,8 +23,10 @@ from attacks.recording import RecordedTransfer
 from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training import protocol
-from training.batches import batch_positions
+from privacy import EDGE
+from training.batches import VisionEdge, batch_positions, sent_visual_rows
 from training.data import RunData
+from training.defenses import build_defenses
 from training.model import load_party_model
 from training.selector import build_selector
 from training.store import PrivateStore
@@ -127,37 +130,49 @@ class RunTruth:
         train = self.config.train
         return [shard[p] for p in batch_positions(len(shard), train.batch_size, step, self.config.model.seed)]
 
+    def _step(self, entry: RecordedTransfer) -> int | None:
+        """The training step of a split client's transfer (its batch's index in the seeded order)."""
+        if entry.kind in self.STEP_KINDS and entry.direction == "up":
+            return (entry.round - 1) * self.config.train.steps_per_round + entry.occurrence
+        return None
+
     def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
         # A client fault breaks the step count of that round: its transfers are not scored.
         if (entry.round, entry.client) in self.faults:
             return None
         steps = self.config.train.steps_per_round
         partition = self.partition(entry.client)
-        if entry.kind in self.STEP_KINDS and entry.direction == "up":
-            return self._step_samples(partition, (entry.round - 1) * steps + entry.occurrence)
+        step = self._step(entry)
+        if step is not None:
+            return self._step_samples(partition, step)
         if entry.kind == protocol.ADAPTER_UPDATE.name:
             first = (entry.round - 1) * steps
             return [s for step in range(first, first + steps) for s in self._step_samples(partition, step)]
         return None
 
     def keep_sets(self, entry: RecordedTransfer) -> list[torch.Tensor] | None:
+        """Per sample, the patch each sent visual row stands for, in the sent order."""
         samples = self.samples(entry)
         if samples is None:
             return None
-        if self.config.pruning.policy == "off":
+        defenses = build_defenses(self.config)
+        if self.config.pruning.policy == "off" and not defenses.acts_at(EDGE):
             patches = get_profile(self.config.model.profile).num_patches
             return [torch.arange(patches) for _ in samples]
-        features, selector = self._victim_selection
+        model, features, selector = self._victim_selection
         features.add(samples, progress=False)
-        return [keep.cpu() for keep in selector(features.stack(samples), samples).keep]
+        step = self._step(entry)
+        edge = None if step is None else VisionEdge(defenses, defenses.seed_for(self.partition(entry.client), entry.round, step))
+        device = next(model.parameters()).device
+        return [where.cpu() for where in sent_visual_rows(model, features, selector, samples, device, edge=edge).positions]
 
     @cached_property
-    def _victim_selection(self) -> tuple[VisionFeatureCache, VisualTokenSelector]:
-        """The clients' vision features and token selector, rebuilt from the run's config."""
+    def _victim_selection(self) -> tuple[torch.nn.Module, VisionFeatureCache, VisualTokenSelector]:
+        """The clients' model (for its vision tower), vision features and token selector, rebuilt from the run's config."""
         party = load_party_model(self.config)
         tokenizer = self.data.tokenizer(party.bundle)
         features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
-        return features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
+        return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """Members: every client's training shard. Non-members: the test questions clients score on

@@ -30,7 +30,7 @@ from clients.runtime import ClientRuntime, KeptFront
 from privacy import ACTIVATION, EVAL, LOSS, TRAIN, DefenseSeed, Payload
 from pruning import PruningRecord
 from training import protocol
-from training.batches import EncodedSample, batch_positions, decoder_inputs
+from training.batches import EncodedSample, VisionEdge, batch_positions, decoder_inputs
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
 from wire import WireError, pack_rows, unpack_rows
@@ -79,13 +79,17 @@ class SplitClient:
         size = self.rt.config.eval.batch_size
         return -(-len(self.rt.test) // size)
 
-    def inputs(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor]) -> tuple[DecoderInputs, PruningRecord]:
+    def inputs(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor],
+               seed: DefenseSeed) -> tuple[DecoderInputs, PruningRecord]:
+        """The batch's decoder inputs; `seed` is the step's (or evaluation batch's) defense seed,
+        whose EDGE draws are the same for every greedy token of one answer."""
         rt = self.rt
-        return decoder_inputs(rt.model, rt.features, rt.selector, batch, answers, rt.party.device, rt.marks)
+        edge = VisionEdge(rt.defenses, seed.per_batch())
+        return decoder_inputs(rt.model, rt.features, rt.selector, batch, answers, rt.party.device, rt.marks, edge)
 
     def cut_activation(self, batch: Sequence[EncodedSample], answers: Sequence[torch.Tensor], seed: DefenseSeed) -> Front:
         """The batch's activation at the first cut as it will be sent: the front, then the defenses."""
-        inputs, pruned = self.inputs(batch, answers)
+        inputs, pruned = self.inputs(batch, answers, seed)
         segment = self.front_segment
         hidden = run_decoder_layers(
             self.rt.model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, segment.start, segment.stop
@@ -137,14 +141,14 @@ class SplitClient:
         kept = self.rt.kept_front
         return kept if kept is not None and kept.step == self.rt.step else None
 
-    def step_inputs(self) -> DecoderInputs:
+    def step_inputs(self, round_: int) -> DecoderInputs:
         """The current step's decoder inputs: kept, or recomputed without a graph."""
         kept = self.front_of_this_step()
         if kept is not None:
             return kept.inputs
         batch = self.train_batch()
         with torch.no_grad():
-            inputs, _ = self.inputs(batch, [item.answer_ids for item in batch])
+            inputs, _ = self.inputs(batch, [item.answer_ids for item in batch], self.seed(round_, self.rt.step))
         return inputs
 
     def extra_forward_tensors(self, batch: Sequence[EncodedSample]) -> dict[str, torch.Tensor]:

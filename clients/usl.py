@@ -9,7 +9,7 @@ which uses the true gradient).
 import torch
 
 from clients.split import SplitClient, check_rows
-from privacy import GRADIENT, Payload
+from privacy import EVAL, GRADIENT, Payload
 from training import protocol
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import unpack_rows
@@ -30,7 +30,7 @@ class USLClient(SplitClient):
         """Activation at CB -> tail, loss, backward, tail update; reply the gradient at CB."""
         rt = self.rt
         rt.sync_private_state()
-        inputs = self.step_inputs()
+        inputs = self.step_inputs(round_)
         rows = rows.to(rt.party.device, next(rt.model.parameters()).dtype).requires_grad_()
         loss = next_token_loss(self._tail(inputs, rows), inputs.labels)
         optimizer = rt.optimizers["tail"]
@@ -48,7 +48,8 @@ class USLClient(SplitClient):
         scratch = self._scratch()
         batch = self.eval_batch(scratch["batch"])
         with torch.no_grad():
-            inputs, _ = self.inputs(batch, self._answers(scratch["generated"]))
+            inputs, _ = self.inputs(batch, self._answers(scratch["generated"]),
+                                    self.seed(scratch["round"], scratch["batch"], EVAL))
             rows = rows.to(self.rt.party.device, next(self.rt.model.parameters()).dtype)
             next_tokens = self._tail(inputs, rows)[:, -1].argmax(-1).tolist()
         return self.eval_advance(next_tokens)

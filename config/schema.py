@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from privacy import STAGES, OptionError, defense_class, defense_names, parse_defense_names
+from privacy import EDGE, STAGES, OptionError, defense_class, defense_names, parse_defense_names
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names, get_adapter
@@ -352,6 +352,15 @@ def _validate_privacy(config: SimConfig) -> None:
     for name in defense_names():
         try:
             getattr(config.privacy, name).validate()
+        except OptionError as error:
+            raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
+    # The active EDGE defenses against the profile's tower, before it loads.
+    profile = get_profile(config.model.profile)
+    for name in names:
+        if defense_class(name).stage != EDGE:
+            continue
+        try:
+            defense_class(name)(getattr(config.privacy, name)).check(profile.num_patches, profile.vision_blocks)
         except OptionError as error:
             raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
 

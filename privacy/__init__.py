@@ -7,6 +7,7 @@ The run config's `privacy.defenses` names the active ones in order and
 
 from privacy.base import (
     ACTIVATION,
+    EDGE,
     EVAL,
     GRADIENT,
     LOSS,
@@ -24,10 +25,10 @@ from privacy.base import (
     parse_defense_names,
     register_defense,
 )
-from privacy import nopeek, noise, pripert, sparsification  # noqa: F401  (each registers its defenses)
+from privacy import drop, nopeek, noise, pripert, shuffle, sparsification, tome  # noqa: F401  (each registers its defenses)
 
 __all__ = [
-    "ACTIVATION", "EVAL", "GRADIENT", "LOSS", "STAGES", "TRAIN", "Defended", "Defense", "DefenseChain", "DefenseSeed",
+    "ACTIVATION", "EDGE", "EVAL", "GRADIENT", "LOSS", "STAGES", "TRAIN", "Defended", "Defense", "DefenseChain", "DefenseSeed",
     "OptionError", "Payload", "defense_class", "defense_names", "options_from", "parse_defense_names",
     "register_defense",
 ]

@@ -6,7 +6,9 @@ reads. Each defense names the stage it acts at:
 
 - ACTIVATION: the packed activation a split client sends at the first cut (SL: C, USL: CA);
 - GRADIENT: the packed gradient a USL client returns at CB;
-- LOSS: a term added to the client front's training loss (it leaves the payload as it is).
+- LOSS: a term added to the client front's training loss (it leaves the payload as it is);
+- EDGE: the visual tokens the client's vision tower forms, inside the tower (privacy.edge:
+  its payload is `EdgeTokens`, not a `Payload`).
 
 `Defense.apply(payload, seed)` returns the defended payload and its metrics (the shape
 of pfl's `Postprocessor.postprocess_one_user`); a chain of none is the null object and
@@ -35,11 +37,13 @@ import torch
 ACTIVATION = "activation"
 GRADIENT = "gradient"
 LOSS = "loss"
+EDGE = "edge"
 # What each stage acts on, and the paradigms where a client has it.
 STAGES = {
     ACTIVATION: ("the activation a split client sends at the first cut", ("sl", "usl")),
     GRADIENT: ("the gradient a USL client returns at CB", ("usl",)),
     LOSS: ("the client front's training loss", ("sl", "usl")),
+    EDGE: ("the visual tokens a split client's vision tower forms", ("sl", "usl")),
 }
 # Phases of a client's computation: a training step, or one token of greedy evaluation.
 TRAIN, EVAL = "train", "eval"
@@ -62,6 +66,11 @@ class DefenseSeed:
     round: int
     step: int
     phase: str = TRAIN
+
+    def per_batch(self) -> "DefenseSeed":
+        """The seed without the greedy token's index ("eval:3" -> "eval"): what EDGE defenses draw
+        from, since a client's vision tower forms an image's tokens once per answer."""
+        return replace(self, phase=self.phase.partition(":")[0])
 
     def generator(self, defense: str, device: torch.device | str = "cpu") -> torch.Generator:
         key = json.dumps([self.seed, self.client, self.round, self.step, self.phase, defense])

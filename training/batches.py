@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from privacy import EDGE, DefenseChain, DefenseSeed
+from privacy.edge import edge_vision_tokens, select_sent
 from pruning import PruningRecord, VisualTokenSelector
 from vlm.features import VisionFeatureCache
 from vlm.segments import DecoderInputs, merge_multimodal_inputs, project_visual_features
@@ -54,6 +56,24 @@ def batch_positions(num_samples: int, batch_size: int, step: int, seed: int) -> 
     return positions
 
 
+@dataclass(frozen=True)
+class VisionEdge:
+    """The EDGE defenses of a client's vision tower and the seed of this batch's draws."""
+
+    defenses: DefenseChain
+    seed: DefenseSeed
+
+
+@dataclass(frozen=True)
+class SentVisualRows:
+    """Per sample, the vision rows [n, Dv] that go on to the projector, in their order, and the
+    patch each stands for; with what pruning did."""
+
+    rows: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    pruned: PruningRecord
+
+
 def decoder_inputs(
     model: nn.Module,
     features: VisionFeatureCache,
@@ -62,13 +82,45 @@ def decoder_inputs(
     answers: Sequence[torch.Tensor] | None,
     device: torch.device,
     marks: Mapping[str, Sequence[int]] = MappingProxyType({}),
+    edge: VisionEdge | None = None,
 ) -> tuple[DecoderInputs, PruningRecord]:
     """Features -> kept tokens -> projector -> merged decoder inputs; also what pruning did."""
-    visual, pruned = projected_visual_tokens(model, features, selector, batch, device, marks)
+    visual, pruned = projected_visual_tokens(model, features, selector, batch, device, marks, edge)
     inputs = merge_multimodal_inputs(
         model, [item.prompt_ids for item in batch], visual, answers, padding_side="left"
     )
     return inputs, pruned
+
+
+def sent_visual_rows(
+    model: nn.Module,
+    features: VisionFeatureCache,
+    selector: VisualTokenSelector,
+    samples: Sequence[VQASample],
+    device: torch.device,
+    marks: Mapping[str, Sequence[int]] = MappingProxyType({}),
+    edge: VisionEdge | None = None,
+) -> SentVisualRows:
+    """The selector's keep set over the cached (undefended) features; with EDGE defenses, the
+    edge's tokens whose position it keeps (privacy.edge), else the kept features in patch order.
+    The attacks' truth calls this too, so it scores against the rows the client sent.
+
+    `marks` maps a stamped image's id to the patches holding its mark (stamped benchmark).
+    """
+    stacked = features.stack(samples).to(device)
+    selection = selector(stacked, samples)
+    patches = stacked.shape[1]
+    if edge is not None and edge.defenses.acts_at(EDGE):
+        pixel_values = features.preprocess_images([sample.image for sample in samples]).to(device)
+        output = edge_vision_tokens(model, pixel_values.to(stacked.dtype), edge.defenses, edge.seed)
+        rows, positions = select_sent(output, selection.keep, patches)
+    else:
+        positions = list(selection.keep)
+        rows = [stacked[i, indices] for i, indices in enumerate(positions)]
+    pruned = PruningRecord.of_batch(
+        positions, patches, sensitivity=selection.sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
+    )
+    return SentVisualRows(rows, positions, pruned)
 
 
 def projected_visual_tokens(
@@ -78,20 +130,10 @@ def projected_visual_tokens(
     batch: Sequence[EncodedSample],
     device: torch.device,
     marks: Mapping[str, Sequence[int]] = MappingProxyType({}),
+    edge: VisionEdge | None = None,
 ) -> tuple[list[torch.Tensor], PruningRecord]:
-    """Each sample's kept visual tokens through the projector, and what pruning did.
-
-    `marks` maps a stamped image's id to the patches holding its mark (stamped benchmark).
-    """
-    samples = [item.sample for item in batch]
-    stacked = features.stack(samples).to(device)
-    selection = selector(stacked, samples)
-    keep = selection.keep
-    pruned = PruningRecord.of_batch(
-        keep, stacked.shape[1], sensitivity=selection.sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
-    )
+    """Each sample's sent visual rows through the projector, and what pruning did."""
+    sent = sent_visual_rows(model, features, selector, [item.sample for item in batch], device, marks, edge)
     dtype = next(model.parameters()).dtype
-    visual = [
-        project_visual_features(model, stacked[i, indices].unsqueeze(0).to(dtype))[0] for i, indices in enumerate(keep)
-    ]
-    return visual, pruned
+    visual = [project_visual_features(model, rows.unsqueeze(0).to(dtype))[0] for rows in sent.rows]
+    return visual, sent.pruned

@@ -95,6 +95,11 @@ class Profile:
         return self.text["num_hidden_layers"]
 
     @property
+    def vision_blocks(self) -> int:
+        """The vision tower's layers that run: those up to the vision feature layer."""
+        return self.vision_feature_layer % (self.vision["num_hidden_layers"] + 1)
+
+    @property
     def vision_hidden_size(self) -> int:
         return self.vision["hidden_size"]
 

@@ -51,8 +51,12 @@ def test_a_recording_without_what_the_attack_needs_is_refused_by_name(tmp_path, 
         main(["run", str(folder), "idlg", "--aux-limit", "8", "-o", "progress=false"])
 
 
-def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(tmp_path, monkeypatch):
-    folder = tiny_run(tmp_path, monkeypatch, **{"train.rounds": 1, "pruning.policy": "fixed", "pruning.ratio": 0.5})
+@pytest.mark.parametrize("edge", [{}, {"privacy.defenses": "drop,shuffle", "privacy.drop.r": 4}], ids=["pruned", "edge"])
+def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(edge, tmp_path, monkeypatch):
+    """Under EDGE defenses the truth draws the step's drops and order again: the tiny tower drops
+    after its only block's attention, so the sent rows are the kept patches' rows in the sent order."""
+    folder = tiny_run(tmp_path, monkeypatch, **{"train.rounds": 1, "pruning.policy": "fixed", "pruning.ratio": 0.5,
+                                                **edge})
     recording = Recording.open(folder)
     truth = RunTruth.from_run_folder(folder)
     knowledge = knowledge_for_run(truth.config)
@@ -65,12 +69,15 @@ def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(tmp_path, 
     for entry in first_steps:
         samples = truth.samples(entry)
         keep = truth.keep_sets(entry)
-        assert [k.numel() for k in keep] == [8] * len(samples)  # 16 tiny patches, ρ = 0.5
+        counts = [k.numel() for k in keep]
+        # 16 tiny patches, ρ = 0.5; the edge drops 4 of the 16 before pruning's 8 are read.
+        assert counts == [8] * len(samples) if not edge else all(4 <= c <= 8 for c in counts) and sum(counts) < 8 * len(samples)
         features.add(samples, progress=False)
         stacked = features.stack(samples)
         tensors = recording.tensors(entry)
-        sent = [rows[prefix : prefix + 8] for rows in split_packed(tensors["rows"], tensors["lengths"])]
-        for chosen, expected in ((keep, True), ([torch.arange(8)] * len(samples), False)):
+        sent = [rows[prefix : prefix + c] for rows, c in zip(split_packed(tensors["rows"], tensors["lengths"]), counts, strict=True)]
+        wrong = [k.sort().values if edge else torch.arange(8) for k in keep]
+        for chosen, expected in ((keep, True), (wrong, False)):
             rebuilt = visual_rows(knowledge.model, stacked, knowledge.prefix_ids, knowledge.first_cut, chosen)
             same = all(torch.allclose(a, b.float(), atol=1e-5) for a, b in zip(rebuilt, sent, strict=True))
             assert same == expected

@@ -6,6 +6,7 @@ import torch
 from config import ConfigError, load_config
 from privacy import (
     ACTIVATION,
+    EDGE,
     GRADIENT,
     LOSS,
     DefenseChain,
@@ -22,6 +23,8 @@ from vlm.segments import run_decoder_layers
 from wire import pack_rows, unpack_rows
 
 SEED = DefenseSeed(seed=0, client=1, round=2, step=3)
+# The defenses at a cut (a Payload in, the defended rows out); EDGE ones: tests/privacy/test_edge.py.
+CUT_DEFENSES = [n for n in defense_names() if defense_class(n).stage != EDGE]
 
 
 def build(name: str, **options):
@@ -52,14 +55,14 @@ def payload_of(tiny_front, rows=None) -> Payload:
     return Payload(rows, lengths, inputs=inputs, front=front)
 
 
-@pytest.mark.parametrize("name", defense_names())
+@pytest.mark.parametrize("name", CUT_DEFENSES)
 def test_every_defense_validates_its_defaults_and_says_where_it_acts(name):
     defense = build(name)
     assert defense.describe()["name"] == name and defense.stage in (ACTIVATION, GRADIENT, LOSS)
     assert defense.describe()["options"]
 
 
-@pytest.mark.parametrize("name", defense_names())
+@pytest.mark.parametrize("name", CUT_DEFENSES)
 def test_gradients_through_every_defense_are_those_of_its_fixed_mask_and_shift(name, tiny_front):
     """Backward through the defended rows passes the incoming gradient where an element is sent
     and nothing where the defense zeroed it; a LOSS defense adds a differentiable term."""
@@ -75,7 +78,7 @@ def test_gradients_through_every_defense_are_those_of_its_fixed_mask_and_shift(n
         assert loss_grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", [n for n in defense_names() if defense_class(n).random])
+@pytest.mark.parametrize("name", [n for n in CUT_DEFENSES if defense_class(n).random])
 def test_random_defenses_draw_only_from_their_seed(name, tiny_front):
     payload = payload_of(tiny_front)
     # NoPeek draws which rows enter its correlation: fewer than the payload holds.

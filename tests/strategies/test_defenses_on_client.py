@@ -16,12 +16,13 @@ from strategies.app import run
 from training import protocol
 
 # Every registered defense at once, in each split paradigm (GRADIENT defenses only where a
-# client returns a gradient), composed with pruning.
+# client returns a gradient), composed with pruning; the random EDGE ones (drop, shuffle) must
+# draw again what they drew, or a recomputed front would send other rows.
 ALL = {
-    "usl": "nopeek,noise,sparsify,pripert,grad_noise,grad_topk",
-    "sl": "nopeek,noise,sparsify,pripert",
+    "usl": "tome,drop,shuffle,nopeek,noise,sparsify,pripert,grad_noise,grad_topk",
+    "sl": "tome,drop,shuffle,nopeek,noise,sparsify,pripert",
 }
-DEFENSE_OPTIONS = {"privacy.noise.variance": 1e-4, "privacy.pripert.iterations": 2, "privacy.sparsify.ratio": 0.3,
+DEFENSE_OPTIONS = {"privacy.tome.r": 2, "privacy.drop.r": 2, "privacy.noise.variance": 1e-4, "privacy.pripert.iterations": 2, "privacy.sparsify.ratio": 0.3,
                    "privacy.pripert.sparsity": 0.3, "privacy.grad_topk.ratio": 0.5,
                    "pruning.policy": "fixed", "pruning.ratio": 0.5}
 
