@@ -19,6 +19,11 @@ and text rows), PriPert-L2's budget relative to the visual rows' norm. Noise is 
 same per element either way. LOSS-stage defenses (NoPeek) change how the client
 trains, not what it sends, and have no counterpart here.
 
+`AttackerEdge` is the same for the EDGE-stage defenses (token shuffling, merging and
+dropping inside the client's vision tower): the attacker runs its own copy of the edge on
+its auxiliary images, with the run's options and its own seed, and gets the rows on the
+patch grid with the positions a client would send (SARA's `adaptive`).
+
 Where the run's defenses come from (`defenses_for_run`): the run's config (what
 `prepare_replay` is handed), else the recording header's description of them.
 """
@@ -32,7 +37,8 @@ from torch import nn
 from attacks.knowledge import AttackerKnowledge
 from attacks.recording import Recording
 from config import SimConfig
-from privacy import ACTIVATION, DefenseChain, Payload, defense_class, options_from
+from privacy import ACTIVATION, EDGE, DefenseChain, Payload, defense_class, options_from
+from privacy.edge import EdgeOutput, edge_grid, edge_vision_tokens
 from training.defenses import build_defenses
 from vlm.segments import llava_parts, project_visual_features, run_decoder_layers
 
@@ -94,6 +100,46 @@ class AttackerDefense:
         seed = self.chain.seed_for(0, 0, self.calls)
         defended = self.chain.apply((ACTIVATION,), Payload(rows, lengths, inputs=packed, front=front), seed)
         return list(torch.split(defended.rows, lengths.tolist()))
+
+
+class AttackerEdge:
+    """The run's EDGE-stage defenses as the attacker runs them on its own auxiliary images."""
+
+    def __init__(self, knowledge: AttackerKnowledge, chain: DefenseChain, seed: int, batch_size: int = 256) -> None:
+        self.knowledge = knowledge
+        self.chain = DefenseChain(chain.at(EDGE), seed=seed)
+        self.reorders = any(defense.reorders for defense in self.chain.defenses)
+        self.batch_size = batch_size
+        # Every call draws anew (its own step), from the attacker's seed.
+        self.calls = 0
+
+    @property
+    def names(self) -> list[str]:
+        return self.chain.names
+
+    def sends(self, pixel_values: torch.Tensor, keep: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The edge's vision rows on the patch grid [B, N, Dv] (zeros where no token stands) and, per
+        image, the positions a client whose pruning keeps `keep[b]` sends: in the edge's order when
+        it reorders, else in `keep`'s."""
+        k = self.knowledge
+        self.calls += 1
+        grids, sent = [], []
+        for chunk, start in enumerate(range(0, pixel_values.shape[0], self.batch_size)):
+            seed = self.chain.seed_for(0, chunk, self.calls)
+            output: EdgeOutput = edge_vision_tokens(k.model, pixel_values[start : start + self.batch_size].to(k.device),
+                                                    self.chain, seed)
+            grids.append(edge_grid(output, k.num_patches).cpu())
+            for where, kept in zip(output.positions, keep[start : start + self.batch_size], strict=True):
+                where = where.cpu()
+                if self.reorders:
+                    wanted = torch.zeros(k.num_patches, dtype=torch.bool)
+                    wanted[kept] = True
+                    sent.append(where[wanted[where]])
+                else:
+                    present = torch.zeros(k.num_patches, dtype=torch.bool)
+                    present[where] = True
+                    sent.append(kept[present[kept]])
+        return torch.cat(grids), sent
 
 
 def visual_front(

@@ -11,7 +11,10 @@ All three are trained on the attacker's auxiliary images through its copy of the
 public front. The TPP learns from simulated sends: random keep sets (share drawn from
 `keep_ratios`) in random order when `shuffle`. Pruned rows are *recomputed* for each
 keep set — after the front's attention and rotary positions they differ from the
-unpruned rows of the same patches.
+unpruned rows of the same patches. Adaptive (`adaptive=True`, against the EDGE defenses:
+token shuffling, merging, dropping) the simulated sends go through the attacker's copy of
+the run's edge (attacks.adaptive.AttackerEdge), so the TPP learns to place merged and
+surviving tokens in the order the edge sends them.
 
 As the paper trains them (`stage_inputs="paper"`), the MAE restores full grids with a
 random share of their rows zeroed and the decoder inverts full grids, each independently
@@ -39,7 +42,9 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from attacks.adaptive import AttackerEdge, defenses_for_run
 from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.context import ReplayContext
 from attacks.knowledge import visual_rows
 from attacks.metrics import image_metrics
 from attacks.networks import (
@@ -54,6 +59,8 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
+from config import SimConfig
+from privacy import DefenseChain
 from vqa import VQASample
 
 STAGE_INPUTS = ("paper", "chained")
@@ -85,6 +92,9 @@ class SARAOptions:
     stage_inputs: str = "paper"
     # τ: a row is placed only if its top position probability reaches it (the paper uses 0).
     threshold: float = 0.0
+    # Simulate the sends through the attacker's copy of the run's EDGE defenses (attacks.adaptive):
+    # tokens the edge merged or dropped, in the order it sends them.
+    adaptive: bool = False
     batch_size: int = 32
     seed: int = 0
     progress: bool = True
@@ -112,8 +122,31 @@ class SARA(Attack):
     threat_model = "passive"
     Options = SARAOptions
 
+    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
+    run_config: SimConfig | None = None
+    # The edge an adaptive attack simulates its sends through (None: none, or not known yet).
+    edge: AttackerEdge | None = None
+    adapted_to: list[str] | None = None
+
+    def prepare_replay(self, run: ReplayContext) -> None:
+        """An adaptive attack takes the run's defenses from its config (each run its own)."""
+        self.run_config = run.config
+        self.edge, self.adapted_to = None, None
+        if self.options.adaptive:
+            self.use_defenses(defenses_for_run(self.name, self.run_config))
+
+    def use_defenses(self, chain: DefenseChain) -> "SARA":
+        """Simulate the sends through `chain`'s EDGE defenses, drawing from the attack's own seed:
+        what `adaptive` does with the run's (call before `fit`). A chain with none leaves it plain."""
+        edge = AttackerEdge(self.knowledge, chain, seed=self.options.seed)
+        self.edge, self.adapted_to = (edge if edge.names else None), edge.names
+        return self
+
     def fit(self, aux: Sequence[VQASample]) -> "SARA":
         k, o = self.knowledge, self.options
+        if o.adaptive and self.adapted_to is None:
+            raise ValueError("sara with adaptive=True simulates the run's EDGE defenses: replay it on a run folder "
+                             "(prepare_replay hands it the run's config) or call use_defenses(chain) before fit")
         self.aux = list(aux)
         pixels = k.pixel_values(self.aux)
         self.aux_images = k.unit_images(pixels)
@@ -125,7 +158,10 @@ class SARA(Attack):
             sent_rows, positions = [], []
             for _ in range(o.variants_per_image):
                 keep = [self._simulated_keep(generator) for _ in self.aux]
-                sent_rows += visual_rows(k.model, features, k.prefix_ids, k.first_cut, keep)
+                rows_from = features
+                if self.edge is not None:
+                    rows_from, keep = self.edge.sends(pixels, keep)
+                sent_rows += visual_rows(k.model, rows_from, k.prefix_ids, k.first_cut, keep)
                 positions += keep
             # The auxiliary image behind each simulated row set.
             source = torch.arange(len(self.aux)).repeat(o.variants_per_image)
@@ -233,7 +269,8 @@ class SARA(Attack):
         images, slots = self.reconstruct(rows)
         result = AttackResult(
             self.name,
-            details={"observed_samples": len(rows), "mean_kept_tokens": sum(r.shape[0] for r in rows) / len(rows)},
+            details={"observed_samples": len(rows), "mean_kept_tokens": sum(r.shape[0] for r in rows) / len(rows),
+                     "adaptive_to": self.adapted_to},
             outputs={"reconstructions": images},
         )
         if truth is None:

@@ -146,3 +146,12 @@ def select_sent(output: EdgeOutput, keep: Sequence[torch.Tensor], patches: int) 
         tokens.append(rows[sent])
         positions.append(where[sent])
     return tokens, positions
+
+
+def edge_grid(output: EdgeOutput, patches: int) -> torch.Tensor:
+    """The edge's tokens at the positions they stand for, [B, N, Dv] (zeros where none does): with
+    the sent positions, what `features[b, positions]` reads as the rows the client sends."""
+    grid = output.tokens[0].new_zeros(len(output.tokens), patches, output.tokens[0].shape[-1])
+    for b, (tokens, where) in enumerate(zip(output.tokens, output.positions, strict=True)):
+        grid[b, where] = tokens
+    return grid

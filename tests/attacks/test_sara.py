@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from attacks import build_attack
+from attacks.adaptive import AttackerEdge
 from attacks.knowledge import visual_rows
 from attacks.sara import position_metrics
+from privacy import DefenseChain
+from privacy.drop import DropOptions
+from privacy.edge import edge_vision_tokens, select_sent
+from privacy.shuffle import ShuffleOptions
 from vlm.segments import llava_parts
 
 # The paper's structure at the tiny width, with the rates raised (1e-3) and the epochs set so that
@@ -63,3 +68,24 @@ def test_bad_options_are_refused_before_any_training(knowledge):
         build_attack("sara", knowledge, mae_mask_ratios=(0.2, 1.0))
     with pytest.raises(ValueError, match="tpp_width=0 must be at least 1"):
         build_attack("sara", knowledge, tpp_width=0)
+
+
+def test_the_attackers_edge_sends_what_a_client_s_edge_would(knowledge, victims):
+    """Adaptive SARA's simulated sends: with the client's seed the attacker's copy of the edge gives
+    the very rows and order a client's edge sends (privacy.edge), and only positions the keep set holds."""
+    chain = DefenseChain.build(["drop", "shuffle"], {"drop": DropOptions(r=4), "shuffle": ShuffleOptions()}, seed=7)
+    pixels = knowledge.pixel_values(victims[:6])
+    keep = shuffled_keep_sets(6, knowledge.num_patches)
+    grid, sent = AttackerEdge(knowledge, chain, seed=7).sends(pixels, keep)
+    client = edge_vision_tokens(knowledge.model, pixels, chain, chain.seed_for(0, 0, 1))
+    rows, positions = select_sent(client, keep, knowledge.num_patches)
+    for b in range(6):
+        assert torch.equal(sent[b], positions[b]) and set(sent[b].tolist()) <= set(keep[b].tolist())
+        torch.testing.assert_close(grid[b, sent[b]], rows[b], rtol=0, atol=0)
+    # The edge dropped some kept patches' tokens.
+    assert sum(s.numel() for s in sent) < sum(k.numel() for k in keep)
+
+
+def test_adaptive_sara_needs_the_run_s_defenses_before_it_fits(knowledge, aux):
+    with pytest.raises(ValueError, match="adaptive=True simulates the run's EDGE defenses"):
+        build_attack("sara", knowledge, adaptive=True, progress=False).fit(aux[:4])
