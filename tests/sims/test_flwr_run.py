@@ -41,7 +41,8 @@ def flwr_home(tmp_path_factory):
 
 def test_a_sweep_runs_its_point_through_flwr_run_and_replays_the_recording(flwr_home, tmp_path):
     """The sweep's default runner: the point's run goes through `flwr run` (two round trips per
-    USL step), with defenses at both cuts, and its attack replays on what the server recorded."""
+    USL step), with defenses in the vision edge and at both cuts, and its attack replays on what
+    the server recorded."""
     sweep_file = tmp_path / "sweep.toml"
     sweep_file.write_text(f"""
 [sweep]
@@ -57,7 +58,7 @@ sim = "{SIMS / 'usl_easyvqa'}"
 "eval.every" = 2
 "threat.model" = "passive"
 "threat.aux_limit" = 8
-"privacy.defenses" = "noise,grad_topk"
+"privacy.defenses" = "shuffle,noise,grad_topk"
 "privacy.noise.variance" = 1e-6
 "privacy.grad_topk.ratio" = 0.5
 [[grid]]
@@ -76,7 +77,7 @@ options = {{ iterations = 100, max_transfers = 2 }}
     recording = Recording.open(folder)
     nodes = {e.client for e in recording.entries}
     assert len(nodes) == 2 and not nodes <= {1, 2}
-    assert [d["name"] for d in json.loads((folder / "status.json").read_text())["defenses"]] == ["noise", "grad_topk"]
+    assert [d["name"] for d in json.loads((folder / "status.json").read_text())["defenses"]] == ["shuffle", "noise", "grad_topk"]
     for entry in recording.entries:
         if entry.kind == "gradient at CB" and entry.stored:
             grad = recording.tensors(entry)["grad"]
