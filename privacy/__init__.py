@@ -25,7 +25,7 @@ from privacy.base import (
     parse_defense_names,
     register_defense,
 )
-from privacy import drop, nopeek, noise, pripert, shuffle, sparsification, tome  # noqa: F401  (each registers its defenses)
+from privacy import drop, nopeek, noise, positionless, pripert, shuffle, sparsification, tome  # noqa: F401  (each registers its defenses)
 
 __all__ = [
     "ACTIVATION", "EDGE", "EVAL", "GRADIENT", "LOSS", "STAGES", "TRAIN", "Defended", "Defense", "DefenseChain", "DefenseSeed",

@@ -66,6 +66,10 @@ class EdgeDefense(Defense):
     def check(self, patches: int, blocks: int) -> None:
         """Refuse, naming the option, a setting this tower (patches, blocks) cannot run."""
 
+    def vision_tower(self, tower: nn.Module) -> nn.Module:
+        """The tower the edge runs (a defense that replaces the client's model returns its own)."""
+        return tower
+
 
 @dataclass(frozen=True)
 class EdgeOutput:
@@ -105,10 +109,12 @@ def edge_vision_tokens(model: nn.Module, pixel_values: torch.Tensor, chain: Defe
         raise ValueError("EDGE defenses need a single int vision_feature_layer and the 'default' feature selection "
                          f"(patch tokens only); got {config.vision_feature_layer!r}, "
                          f"{config.vision_feature_select_strategy!r}")
+    defenses = chain.at(EDGE)
     tower = parts.vision_tower
+    for defense in defenses:
+        tower = defense.vision_tower(tower)
     layers = tower.encoder.layers
     blocks = config.vision_feature_layer % (len(layers) + 1)
-    defenses = chain.at(EDGE)
     hidden = tower.pre_layrnorm(tower.embeddings(pixel_values))
     batch, count = hidden.shape[0], hidden.shape[1] - 1
     check_edge(chain, count, blocks)

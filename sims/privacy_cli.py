@@ -1,5 +1,6 @@
 """`qpriv-privacy`: privacy analyses of a model. `paf`: each sub-layer's PAF in front of a cut (privacy.paf);
-`positions`: how much patch position each visual token's row carries (attacks.position_probes).
+`positions`: how much patch position each visual token's row carries (attacks.position_probes);
+`positionless`: prepare seed 002's positionless edge (privacy.positionless).
 
     qpriv-privacy paf --profile mini [--stage base] [--cut 4] [--samples 16] [--directions 100]
                       [--tokens 8] [--tokens-from all|text|visual] [--theta pullback|output]
@@ -22,6 +23,18 @@ cut (patch order and shuffled), on --images distinct training images of the data
 --test-share of them held out. Writes DIR/positions.json, .md (a table: accuracy per place
 and probe against chance) and .png. DIR defaults to ./positions-<profile>-<stage>.
 
+    qpriv-privacy positionless --profile mini [--stage vqa] [--blocks 1] [--steps 200] [--batch-size 8]
+                               [--lr 1e-4] [--temperature 4] [--position-weight 0] [--rows 512]
+                               [--held-out 64] [--seed 0] [--threads 1] --out DIR
+
+Seed 002's defense (privacy.positionless): the vision tower without positional embeddings,
+distilled back to the model block by block (blocks 1..--blocks, --steps Adam steps each, on
+--rows easy-VQA training rows; --position-weight > 0: the adversarial variant). Each block's
+result is cached under DIR/stages/ by its settings, so a killed run resumes at the block it
+lost and a changed setting redoes the blocks. Writes DIR/tower.pt and DIR/manifest.json (the
+artefact `privacy.positionless.artifact` selects), DIR/positionless.json and .md (held-out KL
+to the original model: after removing the positions, after each block).
+
 The commands live in sims/ because they build the model and data from a run config
 (config, training, attacks); the analyses themselves (privacy.paf, attacks.position_probes)
 take plain modules, tensors and samples.
@@ -41,6 +54,8 @@ from privacy.paf import ATTENTION, REDUCES, SIGMAS, SUBLAYERS, THETAS, PAFOption
 from vlm.profiles import get_profile, profile_names
 
 STAGES = ("base", "vqa", "random")
+# What `positionless` writes besides its report: the artefact a run config selects.
+TOWER_FILE_NAMES = "tower.pt, manifest.json"
 TOKEN_SETS = ("all", "text", "visual")
 
 
@@ -268,6 +283,84 @@ def run_positions(args: argparse.Namespace) -> Path:
     return out
 
 
+def run_positionless(args: argparse.Namespace) -> Path:
+    from privacy.positionless import (
+        MANIFEST_FILE, TOWER_FILE, DistillBatch, DistillSettings, distill_block, held_out_kl, positionless_tower,
+        settings_fingerprint,
+    )
+    from privacy.base import OptionError
+    from vlm.segments import llava_parts
+    from tqdm.auto import tqdm
+
+    profile = get_profile(args.profile)
+    settings = DistillSettings(blocks=args.blocks, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                               temperature=args.temperature, position_weight=args.position_weight, seed=args.seed)
+    try:
+        settings.validate(profile.vision_blocks)
+    except OptionError as error:
+        raise UsageError(f"--{error.option.replace('_', '-')} {error.value}: allowed {error.allowed}") from None
+    if args.rows < 1 or args.held_out < 1:
+        raise UsageError(f"--rows {args.rows} --held-out {args.held_out}: each must be at least 1")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).expanduser()
+    start = time.perf_counter()
+    front = load_front(args.profile, args.stage, args.rows + args.held_out, seed=args.seed)
+    k, model = front.knowledge, front.knowledge.model
+    if len(front.rows) < args.rows + args.held_out:
+        raise UsageError(f"--rows {args.rows} --held-out {args.held_out}: the dataset has {len(front.rows)} training rows")
+    rows = DistillBatch(k.pixel_values(front.rows), [k.prompt_ids(s.question) for s in front.rows],
+                        [k.answer_ids(s.answer) for s in front.rows])
+    train = rows.take(torch.arange(args.rows))
+    held_out = rows.take(torch.arange(args.rows, args.rows + args.held_out))
+    fingerprint = settings_fingerprint(settings, args.profile, args.stage, args.rows)
+    stages = out / "stages" / fingerprint
+    stages.mkdir(parents=True, exist_ok=True)
+    tower = positionless_tower(llava_parts(model).vision_tower).requires_grad_(False)
+    report = {"profile": args.profile, "stage": args.stage, "settings": asdict(settings), "rows": args.rows,
+              "held_out": args.held_out, "fingerprint": fingerprint,
+              "kl_positionless": held_out_kl(model, tower, held_out, settings.temperature), "blocks": []}
+    for block in range(1, settings.blocks + 1):
+        saved = stages / f"block-{block}.pt"
+        if saved.exists():
+            stage = torch.load(saved, weights_only=True)
+            tower.load_state_dict(stage["tower"])
+            report["blocks"].append(stage["metrics"])
+            continue
+        bar = tqdm(total=settings.steps, desc=f"distil block {block}", disable=args.no_progress)
+        metrics = distill_block(model, tower, block, train, settings,
+                                progress=lambda m: (bar.update(), bar.set_postfix(m, refresh=False)))
+        bar.close()
+        metrics = {"block": block, **{f"last_{key}" if key != "position_accuracy" else key: value
+                                      for key, value in metrics.items()},
+                   "kl_held_out": held_out_kl(model, tower, held_out, settings.temperature)}
+        # Written whole, then renamed: a killed run leaves no torn stage behind.
+        torch.save({"tower": tower.state_dict(), "metrics": metrics}, saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").replace(saved)
+        report["blocks"].append(metrics)
+    torch.save(tower.state_dict(), out / TOWER_FILE)
+    (out / MANIFEST_FILE).write_text(json.dumps({"profile": args.profile, "stage": args.stage,
+                                                 "num_patches": profile.num_patches, "fingerprint": fingerprint,
+                                                 "settings": asdict(settings)}, indent=2))
+    report["seconds"] = time.perf_counter() - start
+    (out / "positionless.json").write_text(json.dumps(report, indent=2))
+    (out / "positionless.md").write_text(positionless_report(report))
+    return out
+
+
+def positionless_report(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"# Positionless edge: {report['profile']} ({report['stage']})", "",
+             f"Blocks 1..{s['blocks']}, {s['steps']} steps each of {s['batch_size']} rows ({report['rows']} training "
+             f"rows), lr {s['lr']}, T = {s['temperature']}, λ_pos = {s['position_weight']}; KL to the original "
+             f"model on {report['held_out']} held-out rows (T²·KL at T, the distillation loss).", "",
+             "| edge | held-out KL | position predictor accuracy |", "| --- | --- | --- |",
+             f"| positional embeddings removed | {report['kl_positionless']:.4g} | |"]
+    for block in report["blocks"]:
+        accuracy = f"{block['position_accuracy']:.1%}" if "position_accuracy" in block else ""
+        lines.append(f"| + block {block['block']} distilled | {block['kl_held_out']:.4g} | {accuracy} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qpriv-privacy", description=__doc__.splitlines()[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -303,9 +396,25 @@ def main(argv: list[str] | None = None) -> int:
     positions.add_argument("--out", help="the report folder (default ./positions-<profile>-<stage>)")
     positions.add_argument("--threads", type=int, default=1, help="torch threads")
     positions.add_argument("--no-progress", action="store_true", help="no progress bar")
+    positionless = commands.add_parser("positionless", help="distil a vision tower without positional embeddings")
+    positionless.add_argument("--profile", default="mini", choices=profile_names())
+    positionless.add_argument("--stage", default="vqa", choices=STAGES, help="the teacher's (and the edge's) weights")
+    positionless.add_argument("--blocks", type=int, default=1, help="k: vision blocks distilled, from the first")
+    positionless.add_argument("--steps", type=int, default=200, help="Adam steps per block")
+    positionless.add_argument("--batch-size", type=int, default=8)
+    positionless.add_argument("--lr", type=float, default=1e-4)
+    positionless.add_argument("--temperature", type=float, default=4.0)
+    positionless.add_argument("--position-weight", type=float, default=0.0,
+                              help="λ_pos of the adversarial variant (0: plain distillation)")
+    positionless.add_argument("--rows", type=int, default=512, help="easy-VQA training rows to distil on")
+    positionless.add_argument("--held-out", type=int, default=64, help="further training rows the KL is scored on")
+    positionless.add_argument("--seed", type=int, default=0)
+    positionless.add_argument("--out", required=True, help="the artefact folder")
+    positionless.add_argument("--threads", type=int, default=1, help="torch threads")
+    positionless.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    command, run, name = {"paf": (paf, run_paf, "paf"), "positions": (positions, run_positions, "positions")}[
-        args.command]
+    command, run, name = {"paf": (paf, run_paf, "paf"), "positions": (positions, run_positions, "positions"),
+                          "positionless": (positionless, run_positionless, "positionless")}[args.command]
     try:
         out = run(args)
     except UsageError as error:
@@ -317,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"qpriv-privacy: {error}", file=sys.stderr)
         return 2
-    print(f"{args.command} report: {out / f'{name}.md'} (and {name}.json, {name}.png)")
+    written = f"{name}.json, {TOWER_FILE_NAMES}" if name == "positionless" else f"{name}.json, {name}.png"
+    print(f"{args.command} report: {out / f'{name}.md'} (and {written})")
     return 0
 
 

@@ -52,13 +52,14 @@ def llava_parts(model: nn.Module) -> LlavaParts:
     )
 
 
-def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor, tower: nn.Module | None = None) -> list[torch.Tensor]:
     """The patch rows [B, N, Dv] the vision tower holds after its embeddings (index 0) and
     after each layer up to the configured vision feature layer (the last entry is what
     LLaVA reads); the CLS row is dropped as LLaVA's "default" feature selection drops it.
 
     Only the CLIP layers up to the selected one run: the later layers (and the
-    post-layernorm, which only feeds the pooled output) would be wasted compute.
+    post-layernorm, which only feeds the pooled output) would be wasted compute. `tower`
+    replaces the model's own vision tower (a defended edge's, privacy.positionless).
     """
     parts = llava_parts(model)
     feature_layer = parts.config.vision_feature_layer
@@ -66,7 +67,7 @@ def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor) -> list[t
         raise ValueError(
             f"vision_feature_layer={feature_layer!r}: only a single int layer is supported by the split model"
         )
-    tower = parts.vision_tower
+    tower = parts.vision_tower if tower is None else tower
     encoder_layers = tower.encoder.layers
     # hidden_states[0] is the (pre-layernormed) embedding output, hidden_states[i] the output of layer i.
     layers_to_run = feature_layer % (len(encoder_layers) + 1)
