@@ -283,41 +283,73 @@ def run_positions(args: argparse.Namespace) -> Path:
     return out
 
 
-def run_positionless(args: argparse.Namespace) -> Path:
-    from privacy.positionless import (
-        MANIFEST_FILE, TOWER_FILE, DistillBatch, DistillSettings, distill_block, held_out_kl, positionless_tower,
-        settings_fingerprint,
-    )
-    from privacy.base import OptionError
-    from vlm.segments import llava_parts
+@dataclass
+class PositionlessPrepare:
+    """What a positionless edge is prepared from: the model, the training rows and the distillation."""
+
+    profile: str = "mini"
+    stage: str = "vqa"
+    rows: int = 512
+    held_out: int = 64
+    distill: Any = None  # privacy.positionless.DistillSettings (None: its defaults)
+
+    def __post_init__(self) -> None:
+        from privacy.base import OptionError
+        from privacy.positionless import DistillSettings
+
+        self.distill = self.distill or DistillSettings()
+        if self.profile not in profile_names():
+            raise UsageError(f"profile {self.profile!r}: allowed {', '.join(profile_names())}")
+        if self.stage not in STAGES:
+            raise UsageError(f"stage {self.stage!r}: allowed {', '.join(STAGES)}")
+        if self.rows < 1 or self.held_out < 1:
+            raise UsageError(f"rows {self.rows}, held_out {self.held_out}: each must be at least 1")
+        try:
+            self.distill.validate(get_profile(self.profile).vision_blocks)
+        except OptionError as error:
+            raise UsageError(f"{error.option} {error.value!r}: allowed {error.allowed}") from None
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> "PositionlessPrepare":
+        """From one flat table (a sweep's [positionless.LABEL]): these fields and DistillSettings'."""
+        from dataclasses import fields
+
+        from privacy.positionless import DistillSettings
+
+        own = {"profile", "stage", "rows", "held_out"}
+        allowed = own | {f.name for f in fields(DistillSettings)}
+        unknown = sorted(set(table) - allowed)
+        if unknown:
+            raise UsageError(f"{unknown[0]}: not a setting of the positionless edge; allowed: {', '.join(sorted(allowed))}")
+        return cls(**{k: v for k, v in table.items() if k in own},
+                   distill=DistillSettings(**{k: v for k, v in table.items() if k not in own}))
+
+
+def prepare_positionless(out: Path, edge: PositionlessPrepare, *, progress: bool = True) -> dict[str, Any]:
+    """Prepare the edge into `out` (resuming at the first block not cached); returns its report."""
     from tqdm.auto import tqdm
 
-    profile = get_profile(args.profile)
-    settings = DistillSettings(blocks=args.blocks, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                               temperature=args.temperature, position_weight=args.position_weight, seed=args.seed)
-    try:
-        settings.validate(profile.vision_blocks)
-    except OptionError as error:
-        raise UsageError(f"--{error.option.replace('_', '-')} {error.value}: allowed {error.allowed}") from None
-    if args.rows < 1 or args.held_out < 1:
-        raise UsageError(f"--rows {args.rows} --held-out {args.held_out}: each must be at least 1")
-    torch.set_num_threads(args.threads)
-    out = Path(args.out).expanduser()
+    from privacy.positionless import (
+        MANIFEST_FILE, TOWER_FILE, DistillBatch, distill_block, held_out_kl, positionless_tower, settings_fingerprint,
+    )
+    from vlm.segments import llava_parts
+
+    settings = edge.distill
     start = time.perf_counter()
-    front = load_front(args.profile, args.stage, args.rows + args.held_out, seed=args.seed)
+    front = load_front(edge.profile, edge.stage, edge.rows + edge.held_out, seed=settings.seed)
     k, model = front.knowledge, front.knowledge.model
-    if len(front.rows) < args.rows + args.held_out:
-        raise UsageError(f"--rows {args.rows} --held-out {args.held_out}: the dataset has {len(front.rows)} training rows")
+    if len(front.rows) < edge.rows + edge.held_out:
+        raise UsageError(f"rows {edge.rows} + held_out {edge.held_out}: the dataset has {len(front.rows)} training rows")
     rows = DistillBatch(k.pixel_values(front.rows), [k.prompt_ids(s.question) for s in front.rows],
                         [k.answer_ids(s.answer) for s in front.rows])
-    train = rows.take(torch.arange(args.rows))
-    held_out = rows.take(torch.arange(args.rows, args.rows + args.held_out))
-    fingerprint = settings_fingerprint(settings, args.profile, args.stage, args.rows)
+    train = rows.take(torch.arange(edge.rows))
+    held_out = rows.take(torch.arange(edge.rows, edge.rows + edge.held_out))
+    fingerprint = settings_fingerprint(settings, edge.profile, edge.stage, edge.rows)
     stages = out / "stages" / fingerprint
     stages.mkdir(parents=True, exist_ok=True)
     tower = positionless_tower(llava_parts(model).vision_tower).requires_grad_(False)
-    report = {"profile": args.profile, "stage": args.stage, "settings": asdict(settings), "rows": args.rows,
-              "held_out": args.held_out, "fingerprint": fingerprint,
+    report = {"profile": edge.profile, "stage": edge.stage, "settings": asdict(settings), "rows": edge.rows,
+              "held_out": edge.held_out, "fingerprint": fingerprint,
               "kl_positionless": held_out_kl(model, tower, held_out, settings.temperature), "blocks": []}
     for block in range(1, settings.blocks + 1):
         saved = stages / f"block-{block}.pt"
@@ -326,7 +358,7 @@ def run_positionless(args: argparse.Namespace) -> Path:
             tower.load_state_dict(stage["tower"])
             report["blocks"].append(stage["metrics"])
             continue
-        bar = tqdm(total=settings.steps, desc=f"distil block {block}", disable=args.no_progress)
+        bar = tqdm(total=settings.steps, desc=f"distil block {block}", disable=not progress)
         metrics = distill_block(model, tower, block, train, settings,
                                 progress=lambda m: (bar.update(), bar.set_postfix(m, refresh=False)))
         bar.close()
@@ -338,12 +370,26 @@ def run_positionless(args: argparse.Namespace) -> Path:
         saved.with_suffix(".tmp").replace(saved)
         report["blocks"].append(metrics)
     torch.save(tower.state_dict(), out / TOWER_FILE)
-    (out / MANIFEST_FILE).write_text(json.dumps({"profile": args.profile, "stage": args.stage,
-                                                 "num_patches": profile.num_patches, "fingerprint": fingerprint,
-                                                 "settings": asdict(settings)}, indent=2))
     report["seconds"] = time.perf_counter() - start
     (out / "positionless.json").write_text(json.dumps(report, indent=2))
     (out / "positionless.md").write_text(positionless_report(report))
+    # The manifest last: a folder with one holds a whole edge.
+    (out / MANIFEST_FILE).write_text(json.dumps({"profile": edge.profile, "stage": edge.stage,
+                                                 "num_patches": get_profile(edge.profile).num_patches,
+                                                 "fingerprint": fingerprint, "settings": asdict(settings)}, indent=2))
+    return report
+
+
+def run_positionless(args: argparse.Namespace) -> Path:
+    from privacy.positionless import DistillSettings
+
+    edge = PositionlessPrepare(
+        profile=args.profile, stage=args.stage, rows=args.rows, held_out=args.held_out,
+        distill=DistillSettings(blocks=args.blocks, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                                temperature=args.temperature, position_weight=args.position_weight, seed=args.seed))
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).expanduser()
+    prepare_positionless(out, edge, progress=not args.no_progress)
     return out
 
 

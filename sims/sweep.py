@@ -11,6 +11,10 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
     [fixed]    run-config overrides for every point ("model.profile" = "mini", ...)
     [dtp]      optional: pruning.prepare.PrepareSettings fields; the artefacts are prepared once into
                <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them
+    [positionless.LABEL]  optional: a positionless edge (sims.privacy_cli.PositionlessPrepare
+               fields: profile, stage, rows, held_out, and privacy.positionless.DistillSettings'),
+               prepared once into <sweep folder>/positionless/LABEL; a point whose
+               privacy.positionless.artifact is LABEL runs it
     [[grid]]   one part of the sweep (parts are concatenated), each with
                name     a label, the start of its points' run names
                fixed    overrides for this part's points
@@ -61,14 +65,18 @@ from attacks.context import ATTACK_FOLDER
 from attacks.replay import fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
 from pruning import DTP_FILE, ORACLE_FILE
+from privacy import parse_defense_names
+from privacy.positionless import MANIFEST_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
 from sims.inprocess import run_in_process
 from sims.launch import app_config, launch
+from sims.privacy_cli import PositionlessPrepare, UsageError, prepare_positionless
 from sims.provenance import provenance
 from strategies.callbacks import changed_since_written, write_json_atomically
 
 RUNNERS = ("flwr", "inprocess")
-SECTIONS = ("sweep", "fixed", "dtp", "grid", "attacks")
+SECTIONS = ("sweep", "fixed", "dtp", "positionless", "grid", "attacks")
+EDGE_ARTIFACT = "privacy.positionless.artifact"
 SWEEP_KEYS = ("sim", "runner")
 GRID_KEYS = ("name", "fixed", "product", "zip")
 ATTACK_KEYS = ("attack", "options", "where")
@@ -124,10 +132,15 @@ class Sweep:
     points: list[Point]
     attacks: list[AttackPlan]
     dtp: PrepareSettings | None
+    # Positionless edges to prepare, by label (their folders: edge_folder(label)).
+    edges: dict[str, PositionlessPrepare] = field(default_factory=dict)
 
     @property
     def dtp_folder(self) -> Path:
         return self.folder / "dtp"
+
+    def edge_folder(self, label: str) -> Path:
+        return self.folder / "positionless" / label
 
     def point_record(self, point: Point) -> Path:
         return self.folder / "points" / f"{point.name}.json"
@@ -254,6 +267,13 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
         settings = _table("dtp", raw["dtp"])
         _unknown("dtp", settings, [f.name for f in fields(PrepareSettings)])
         dtp = PrepareSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    edges = {}
+    for label, table in _table("positionless", raw.get("positionless")).items():
+        try:
+            edges[str(label)] = PositionlessPrepare.from_table(dict(_table(f"positionless.{label}", table)))
+        except UsageError as error:
+            raise SweepError(f"positionless.{label}: {error}") from None
+    waiting = _artifact_folders(folder, edges)
     fixed = _table("fixed", raw.get("fixed"))
     grids = raw.get("grid")
     if not grids:
@@ -273,30 +293,39 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
                          "output.root": str(folder / "runs"), "output.name": name}
             if dtp is not None and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
                 overrides.setdefault("pruning.artifacts", str(folder / "dtp"))
-            points.append(Point(name, part, overrides, _point_config(name, sim, overrides, folder / "dtp")))
+            if overrides.get(EDGE_ARTIFACT) in edges:
+                overrides[EDGE_ARTIFACT] = str(folder / "positionless" / overrides[EDGE_ARTIFACT])
+            points.append(Point(name, part, overrides, _point_config(name, sim, overrides, waiting)))
     names = [p.name for p in points]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         raise SweepError(f"points share a run name: {duplicated}; give the parts distinct names or the zip axes labels")
     attacks = _attack_plans(raw.get("attacks"), set(points[0].config.to_flat()))
-    sweep = Sweep(path, sim, runner, folder, points, attacks, dtp)
+    sweep = Sweep(path, sim, runner, folder, points, attacks, dtp, edges)
     _check_existing(sweep)
     return sweep
 
 
-def _point_config(name: str, sim: Path, overrides: dict[str, Any], dtp_folder: Path) -> SimConfig:
-    """The point's validated config. Until the sweep has prepared its DTP artefacts, a point using
-    them is checked on every other key (with pruning off), and again in full once they exist."""
-    try:
-        return load_config(app_config(sim, overrides))
-    except ConfigError as error:
-        waiting = error.key == "pruning.artifacts" and Path(str(error.value)) == dtp_folder
-        if not waiting:
-            raise SweepError(f"point {name}: {error}") from None
-    try:
-        return load_config(app_config(sim, {**overrides, "pruning.policy": NO_PRUNING, "pruning.ratio": 0.0}))
-    except ConfigError as error:
-        raise SweepError(f"point {name}: {error}") from None
+def _point_config(name: str, sim: Path, overrides: dict[str, Any], waiting: set[Path]) -> SimConfig:
+    """The point's validated config. Until the sweep has prepared the artefacts in `waiting` (DTP's,
+    the positionless edges'), a point using one is checked on every other key (with pruning off,
+    without the positionless edge), and again in full once they exist."""
+    checked = dict(overrides)
+    for _ in range(3):
+        try:
+            return load_config(app_config(sim, checked))
+        except ConfigError as error:
+            if Path(str(error.value)) not in waiting:
+                raise SweepError(f"point {name}: {error}") from None
+            if error.key == "pruning.artifacts":
+                checked.update({"pruning.policy": NO_PRUNING, "pruning.ratio": 0.0})
+            elif error.key == EDGE_ARTIFACT:
+                names = parse_defense_names(str(checked.get("privacy.defenses", "")))
+                checked.update({"privacy.defenses": ",".join(n for n in names if n != "positionless"),
+                                EDGE_ARTIFACT: ""})
+            else:
+                raise SweepError(f"point {name}: {error}") from None
+    raise SweepError(f"point {name}: its config could not be checked")
 
 
 def _check_existing(sweep: Sweep) -> None:
@@ -387,19 +416,35 @@ def _stamp(sweep: Sweep) -> None:
     write_json_atomically(path, {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]})
 
 
-def _prepare_dtp(sweep: Sweep) -> None:
-    if sweep.dtp is None or all((sweep.dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
-        return
-    if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in sweep.points):
-        prepare_dtp(sweep.dtp, sweep.dtp_folder, progress=False)
+def _artifact_folders(folder: Path, edges: Mapping[str, Any]) -> set[Path]:
+    """Where a sweep in `folder` prepares its artefacts: DTP's and each positionless edge's."""
+    return {folder / "dtp", *(folder / "positionless" / label for label in edges)}
+
+
+def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
+    """DTP's artefacts and the positionless edges the points use, each prepared once."""
+    prepared = False
+    if sweep.dtp is not None and not all((sweep.dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
+        if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in sweep.points):
+            prepare_dtp(sweep.dtp, sweep.dtp_folder, progress=False)
+            prepared = True
+    for label, edge in sweep.edges.items():
+        folder = sweep.edge_folder(label)
+        if (folder / MANIFEST_FILE).is_file() or not any(p.overrides.get(EDGE_ARTIFACT) == str(folder)
+                                                        for p in sweep.points):
+            continue
+        log(f"positionless edge {label}: preparing into {folder}")
+        prepare_positionless(folder, edge, progress=False)
+        prepared = True
+    if prepared:
         for point in sweep.points:
-            point.config = _point_config(point.name, sweep.sim, point.overrides, sweep.dtp_folder)
+            point.config = _point_config(point.name, sweep.sim, point.overrides, _artifact_folders(sweep.folder, sweep.edges))
 
 
 def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, str]:
     """Run every point and replay its attacks; returns each point's final state."""
     _stamp(sweep)
-    _prepare_dtp(sweep)
+    _prepare_artifacts(sweep, log)
     fitted: dict[tuple[str, str], Attack] = {}
     states = {}
     bar = tqdm(sweep.points, desc=f"sweep {sweep.file.stem}", unit="run", disable=not progress)

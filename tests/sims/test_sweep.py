@@ -332,3 +332,39 @@ def test_the_shipped_sweeps_validate(tmp_path):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
+
+
+def test_a_sweep_prepares_its_positionless_edge_once_and_its_points_run_it(tmp_path):
+    sweep = load_sweep(sweep_file(tmp_path, """
+[positionless.k1]
+profile = "tiny"
+stage = "random"
+rows = 8
+held_out = 4
+steps = 2
+
+[[grid]]
+name = "edge"
+fixed = { paradigm = "sl", "model.stage" = "random" }
+[[grid.zip]]
+label = ["positionless", "positionless-shuffle"]
+"privacy.defenses" = ["positionless", "positionless,shuffle"]
+"privacy.positionless.artifact" = ["k1", "k1"]
+"""), out=tmp_path / "out")
+    edge = tmp_path / "out" / "positionless" / "k1"
+    assert all(p.overrides["privacy.positionless.artifact"] == str(edge) for p in sweep.points)
+    logged = []
+    assert run_sweep(sweep, progress=False, log=logged.append) == {
+        "edge-positionless": "finished", "edge-positionless-shuffle": "finished"}
+    assert (edge / "manifest.json").is_file() and sum("preparing" in line for line in logged) == 1
+    for point in sweep.points:
+        assert point.config.privacy.positionless.artifact == str(edge)
+        described = json.loads((point.folder / "status.json").read_text())["defenses"]
+        assert described[0] == {"name": "positionless", "stage": "edge", "options": {"artifact": str(edge)}}
+    assert "positionless.k1: steps 0" in refusal(tmp_path, """
+[positionless.k1]
+profile = "tiny"
+steps = 0
+[[grid]]
+name = "g"
+""")
