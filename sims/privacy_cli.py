@@ -25,13 +25,14 @@ and probe against chance) and .png. DIR defaults to ./positions-<profile>-<stage
 
     qpriv-privacy positionless --profile mini [--stage vqa] [--blocks 1] [--steps 200] [--batch-size 8]
                                [--lr 1e-4] [--temperature 4] [--position-weight 0] [--rows 512]
-                               [--held-out 64] [--seed 0] [--threads 1] --out DIR
+                               [--held-out 64] [--seed 0] [--threads 1] [--stages STAGES] --out DIR
 
 Seed 002's defense (privacy.positionless): the vision tower without positional embeddings,
 distilled back to the model block by block (blocks 1..--blocks, --steps Adam steps each, on
 --rows easy-VQA training rows; --position-weight > 0: the adversarial variant). Each block's
-result is cached under DIR/stages/ by its settings, so a killed run resumes at the block it
-lost and a changed setting redoes the blocks. Writes DIR/tower.pt and DIR/manifest.json (the
+result is cached under STAGES (default DIR/stages) by its settings but k, so a killed run
+resumes at the block it lost, a changed setting redoes the blocks, and edges sharing STAGES
+share their first blocks. Writes DIR/tower.pt and DIR/manifest.json (the
 artefact `privacy.positionless.artifact` selects), DIR/positionless.json and .md (held-out KL
 to the original model: after removing the positions, after each block).
 
@@ -325,8 +326,10 @@ class PositionlessPrepare:
                    distill=DistillSettings(**{k: v for k, v in table.items() if k not in own}))
 
 
-def prepare_positionless(out: Path, edge: PositionlessPrepare, *, progress: bool = True) -> dict[str, Any]:
-    """Prepare the edge into `out` (resuming at the first block not cached); returns its report."""
+def prepare_positionless(out: Path, edge: PositionlessPrepare, *, stages: Path | None = None,
+                         progress: bool = True) -> dict[str, Any]:
+    """Prepare the edge into `out`, resuming at the first block not cached under `stages` (default
+    out/stages; edges that share it share their blocks); returns its report."""
     from tqdm.auto import tqdm
 
     from privacy.positionless import (
@@ -345,7 +348,7 @@ def prepare_positionless(out: Path, edge: PositionlessPrepare, *, progress: bool
     train = rows.take(torch.arange(edge.rows))
     held_out = rows.take(torch.arange(edge.rows, edge.rows + edge.held_out))
     fingerprint = settings_fingerprint(settings, edge.profile, edge.stage, edge.rows)
-    stages = out / "stages" / fingerprint
+    stages = (out / "stages" if stages is None else stages) / fingerprint
     stages.mkdir(parents=True, exist_ok=True)
     tower = positionless_tower(llava_parts(model).vision_tower).requires_grad_(False)
     report = {"profile": edge.profile, "stage": edge.stage, "settings": asdict(settings), "rows": edge.rows,
@@ -389,7 +392,8 @@ def run_positionless(args: argparse.Namespace) -> Path:
                                 temperature=args.temperature, position_weight=args.position_weight, seed=args.seed))
     torch.set_num_threads(args.threads)
     out = Path(args.out).expanduser()
-    prepare_positionless(out, edge, progress=not args.no_progress)
+    stages = Path(args.stages).expanduser() if args.stages else None
+    prepare_positionless(out, edge, stages=stages, progress=not args.no_progress)
     return out
 
 
@@ -456,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     positionless.add_argument("--held-out", type=int, default=64, help="further training rows the KL is scored on")
     positionless.add_argument("--seed", type=int, default=0)
     positionless.add_argument("--out", required=True, help="the artefact folder")
+    positionless.add_argument("--stages", help="where each block's result is cached (default DIR/stages); "
+                                               "edges prepared with one folder share the blocks they have in common")
     positionless.add_argument("--threads", type=int, default=1, help="torch threads")
     positionless.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -13,8 +13,8 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
                <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them
     [positionless.LABEL]  optional: a positionless edge (sims.privacy_cli.PositionlessPrepare
                fields: profile, stage, rows, held_out, and privacy.positionless.DistillSettings'),
-               prepared once into <sweep folder>/positionless/LABEL; a point whose
-               privacy.positionless.artifact is LABEL runs it
+               prepared once into <sweep folder>/positionless/LABEL (the edges share their
+               blocks' cache); a point whose privacy.positionless.artifact is LABEL runs it
     [[grid]]   one part of the sweep (parts are concatenated), each with
                name     a label, the start of its points' run names
                fixed    overrides for this part's points
@@ -269,6 +269,8 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
         dtp = PrepareSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
     edges = {}
     for label, table in _table("positionless", raw.get("positionless")).items():
+        if label == "stages":
+            raise SweepError("positionless.stages: that label names the edges' shared block cache; choose another")
         try:
             edges[str(label)] = PositionlessPrepare.from_table(dict(_table(f"positionless.{label}", table)))
         except UsageError as error:
@@ -434,7 +436,7 @@ def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
                                                         for p in sweep.points):
             continue
         log(f"positionless edge {label}: preparing into {folder}")
-        prepare_positionless(folder, edge, progress=False)
+        prepare_positionless(folder, edge, stages=sweep.folder / "positionless" / "stages", progress=False)
         prepared = True
     if prepared:
         for point in sweep.points:
