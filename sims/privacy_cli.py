@@ -348,6 +348,7 @@ def prepare_positionless(out: Path, edge: PositionlessPrepare, *, stages: Path |
     train = rows.take(torch.arange(edge.rows))
     held_out = rows.take(torch.arange(edge.rows, edge.rows + edge.held_out))
     fingerprint = settings_fingerprint(settings, edge.profile, edge.stage, edge.rows)
+    out.mkdir(parents=True, exist_ok=True)
     stages = (out / "stages" if stages is None else stages) / fingerprint
     stages.mkdir(parents=True, exist_ok=True)
     tower = positionless_tower(llava_parts(model).vision_tower).requires_grad_(False)
