@@ -49,6 +49,7 @@ NO_DEFENSE = "none"
 STRENGTH: dict[str, dict[str | None, str]] = {
     "noise": {None: "variance"}, "grad_noise": {None: "variance"}, "sparsify": {None: "ratio"},
     "grad_topk": {None: "ratio"}, "pripert": {None: "sparsity", "l2": "budget"}, "nopeek": {None: "weight"},
+    "tome": {None: "r"}, "drop": {None: "r"},
 }
 # Each attack's headline number (image attacks: PSNR in dB).
 HEADLINE = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
@@ -111,7 +112,13 @@ def _options(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _label(name: str, options: dict[str, Any]) -> str:
-    text = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in options.items())
+    def shown(key: str, value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:g}"
+        # An artefact by its folder's name (a sweep's positionless edge: its label).
+        return Path(value).name if key == "artifact" else str(value)
+
+    text = ", ".join(f"{key}={shown(key, value)}" for key, value in options.items())
     return f"{name}({text})" if text else name
 
 

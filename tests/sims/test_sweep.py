@@ -230,7 +230,12 @@ def test_the_smoke_sweep_finishes_every_point_and_replays_every_attack_that_appl
     assert loaded.incomplete.empty and len(loaded.runs) == len(sweep.points)
     assert set(loaded.finished()["paradigm"]) == {"cl", "fl", "sl", "usl"}
     attacks = loaded.attacks
-    assert set(attacks[attacks["threat"] == "passive"]["attack"]) == {"fora", "sara", "actinv", "idlg", "mia"}
+    assert set(attacks[attacks["threat"] == "passive"]["attack"]) == {"fora", "sara", "sara_adaptive", "actinv", "idlg",
+                                                                      "mia"}
+    # The adaptive SARA refitted on the run's own edge (the ToMe point).
+    edge_point = next(p for p in sweep.points if p.name == "vision-edge-usl-tome-4")
+    adaptive = json.loads((edge_point.folder / "attacks" / "sara_adaptive.json").read_text())
+    assert adaptive["details"]["adaptive_to"] == ["tome"]
     assert set(attacks[attacks["threat"] == "active-fsha"]["attack"]) == {"fsha"}
     # The pruned points ran with the sweep's prepared DTP artefacts.
     dtp = loaded.runs[loaded.runs["policy"] == "dtp"].iloc[0]
