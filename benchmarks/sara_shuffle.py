@@ -51,7 +51,8 @@ READS = {"aligned": "decoder, aligned rows", "shuffled": "decoder, shuffled rows
          "sara": "SARA on shuffled rows"}
 
 
-def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure_profile(profile: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The profile's measurements (for the JSON), and six victims' images per read (for the plot only)."""
     start = time.perf_counter()
     knowledge, samples = attacker_view(profile, STAGE, DATASET, args.aux + args.victims, seed=args.seed)
     aux, victims = samples[: args.aux], samples[args.aux :]
@@ -76,6 +77,7 @@ def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
         restored, slots = sara.reconstruct(shuffled)
         images = {"aligned": sara.decoder(torch.stack(aligned).float()),
                   "shuffled": sara.reconstruct_without_positions(shuffled), "sara": restored}
+    examples = {read: image[:6] for read, image in images.items()} | {"target": targets[:6]}
     return {
         "profile": profile,
         "num_patches": n,
@@ -85,11 +87,10 @@ def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
         "reconstruction": {read: image_metrics(image, targets) for read, image in images.items()},
         "positions": position_metrics(slots, orders, n),
         "seconds": {"probes": probed - start, "fit": fitted - probed, "total": time.perf_counter() - start},
-        "examples": {read: image[:6].tolist() for read, image in images.items()} | {"target": targets[:6].tolist()},
-    }
+    }, examples
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, examples: list[dict[str, torch.Tensor]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,10 +119,9 @@ def plot(results: dict, path: Path) -> None:
     ax.tick_params(axis="x", labelrotation=25, labelsize=6)
     ax.set_ylabel("position probe accuracy")
     ax.legend(fontsize=6)
-    for row, p in enumerate(profiles, start=1):
+    for row, (p, images) in enumerate(zip(profiles, examples, strict=True), start=1):
         ax = fig.add_subplot(grid[row, :])
-        strips = [torch.cat([torch.tensor(img) for img in p["examples"][read]], dim=2)
-                  for read in ("target", *READS)]
+        strips = [torch.cat(list(images[read]), dim=2) for read in ("target", *READS)]
         ax.imshow(torch.cat(strips, dim=1).permute(1, 2, 0).clamp(0, 1).numpy())
         ax.set_title(f"{p['profile']}: rows top to bottom: target, " + ", ".join(READS.values()), fontsize=8)
         ax.axis("off")
@@ -205,9 +205,14 @@ def main(argv: list[str] | None = None) -> None:
     results = {"provenance": provenance(), "load": args.load,
                "settings": {"aux": args.aux, "victims": args.victims, "probe_images": args.probe_images,
                             "probes": list(args.probes), "seed": args.seed},
-               "profiles": [measure_profile(profile, args) for profile in args.profiles]}
+               "profiles": []}
+    examples = []
+    for profile in args.profiles:
+        measured, images = measure_profile(profile, args)
+        results["profiles"].append(measured)
+        examples.append(images)
     write_json(NAME, results, args.out)
-    plot(results, args.out / f"{NAME}.png")
+    plot(results, examples, args.out / f"{NAME}.png")
     print(render_report(read_json(NAME, args.out), args.out).read_text())
 
 
