@@ -7,7 +7,7 @@
 The VQA-stage mini model (fine-tuned without any edge defense) answers the easy-VQA test
 questions with each token operation in its vision tower (privacy/: shuffle, ToMe r, drop r)
 and with each positionless edge given (`--positionless LABEL=DIR`, folders
-`qpriv-privacy positionless` wrote for that profile), through the clients' own edge
+`qpriv-privacy positionless` wrote; each on the profile it was prepared for), through the clients' own edge
 (privacy.edge) and the same greedy answering and scoring as the mini model's targets
 (vlm.answering). The decoder reads the visual rows at its rotary positions and was trained
 on them in patch order and complete, so this is the cost before the model adapts; the
@@ -17,6 +17,7 @@ results/edge_accuracy.json and .md (rendered from the JSON).
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     features.add(test, progress=not args.no_progress)
     operations = dict(OPERATIONS)
     for label, folder in args.positionless:
-        operations[f"positionless-{label}"] = (["positionless"], {"positionless": {"artifact": folder}})
+        if json.loads((Path(folder) / "manifest.json").read_text())["profile"] == profile:
+            operations[f"positionless-{label}"] = (["positionless"], {"positionless": {"artifact": folder}})
     rows = []
     shape = get_profile(profile)
     for label, (names, options) in operations.items():
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profiles", default="mini,mini-positional", help="comma-separated model profiles")
     parser.add_argument("--limit", type=int, default=500, help="easy-VQA test questions at most")
     parser.add_argument("--positionless", type=positionless_edge, action="append", default=[], metavar="LABEL=DIR",
-                        help="a positionless edge of the profile (repeatable; only with one profile)")
+                        help="a positionless edge (repeatable; each runs on the profile it was prepared for)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="the random operations' draws")
     parser.add_argument("--load", default="", help="what else ran on the machine (kept in the JSON)")
@@ -137,8 +139,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {render_report(read_json(NAME, args.out), args.out)}")
         return
     profiles = [p for p in args.profiles.split(",") if p]
-    if args.positionless and len(profiles) != 1:
-        parser.error("--positionless edges belong to one profile: give --profiles that one")
     if args.limit < 1:
         parser.error(f"--limit {args.limit}: at least 1")
     torch.set_num_threads(1)
