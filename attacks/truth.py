@@ -162,13 +162,16 @@ class RunTruth:
         model, features, selector = self._victim_selection
         features.add(samples, progress=False)
         step = self._step(entry)
-        edge = None if step is None else VisionEdge(defenses, defenses.seed_for(self.partition(entry.client), entry.round, step))
-        device = next(model.parameters()).device
-        return [where.cpu() for where in sent_visual_rows(model, features, selector, samples, device, edge=edge).positions]
+        edge = None
+        if step is not None:
+            edge = VisionEdge(defenses, defenses.seed_for(self.partition(entry.client), entry.round, step))
+        sent = sent_visual_rows(model, features, selector, samples, next(model.parameters()).device, edge=edge)
+        return [where.cpu() for where in sent.positions]
 
     @cached_property
     def _victim_selection(self) -> tuple[torch.nn.Module, VisionFeatureCache, VisualTokenSelector]:
-        """The clients' model (for its vision tower), vision features and token selector, rebuilt from the run's config."""
+        """The clients' model (for its vision edge), vision features and token selector, rebuilt
+        from the run's config."""
         party = load_party_model(self.config)
         tokenizer = self.data.tokenizer(party.bundle)
         features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
