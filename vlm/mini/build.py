@@ -181,8 +181,10 @@ def load_mini(
     recipe: MiniRecipe | None = None,
     root: Path | None = None,
 ) -> ModelBundle:
-    """The built mini model: `stage="base"` before the VQA LoRA stage, `"vqa"` after it;
-    `recipe` defaults to the profile's (recipe.RECIPES)."""
+    """The built mini model: `stage="base"` before the VQA LoRA stage, `"vqa"` after it, its
+    LoRA merged into the weights (a plain model, as every stage is: a run then puts its own
+    LoRA on it, which on a still-wrapped model would replace this one); `recipe` defaults to
+    the profile's (recipe.RECIPES)."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}; allowed: {STAGES}")
     recipe = recipe or recipe_for(profile.name)
@@ -201,6 +203,7 @@ def load_mini(
     if stage == "vqa":
         model = apply_lora(model, rank=recipe.lora_rank)
         set_peft_model_state_dict(model, load_file(folder.lora))
+        model = model.merge_and_unload()
     return ModelBundle(
         model=model.eval(),
         profile=profile,
