@@ -37,11 +37,8 @@ class LlavaParts:
 
 
 def llava_parts(model: nn.Module) -> LlavaParts:
-    """Locate the LLaVA modules in a plain or peft-wrapped LlavaForConditionalGeneration (a run's
-    LoRA around a VQA stage's, for one, is wrapped twice)."""
-    base = model
-    while hasattr(base, "get_base_model"):
-        base = base.get_base_model()
+    """Locate the LLaVA modules in a plain or peft-wrapped LlavaForConditionalGeneration."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(base, LlavaForConditionalGeneration):
         raise TypeError(
             f"expected a LlavaForConditionalGeneration (optionally peft-wrapped), got {type(model).__name__}"
