@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from sklearn.metrics import roc_curve
 
 from attacks.context import ATTACK_FOLDER
+from attacks.metrics import PURI_LAMBDA, puri
 from privacy import defense_class, parse_defense_names
 
 # Settings every table carries, from the run's resolved config.
@@ -227,7 +228,7 @@ def load_results(*paths: str | Path) -> Results:
     attack_frame = pd.DataFrame(attacks)
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
-        keep = ["run", "sweep", "paradigm", "policy", "threat", "defenses", "defense_setting", "defense_series",
+        keep = ["run", "sweep", "paradigm", "profile", "policy", "threat", "defenses", "defense_setting", "defense_series",
                 "defense_strength", "kept_tokens_mean", "test_accuracy"]
         attack_frame = attack_frame.merge(run_frame[[c for c in keep if c in run_frame]], on="run", how="left")
     return Results(run_frame, pd.DataFrame(rounds), attack_frame,
@@ -340,6 +341,42 @@ def defense_frontier(results: Results, attack: str = "fora", metric: str = "psnr
         return pd.DataFrame(columns=columns)
     chosen = attacks[attacks["attack"] == attack]
     return chosen[columns].reset_index(drop=True)
+
+
+def puri_table(results: Results, lam: float = PURI_LAMBDA) -> pd.DataFrame:
+    """PURI_λ (attacks.metrics.puri) of every defended run against each image attack that replayed
+    on it: its test accuracy and the attack's SSIM, PSNR and FSIM over those of the undefended run
+    of the same sweep, paradigm, profile, pruning policy and threat, attacked by the same label
+    (else by its base attack: an adaptive label has no undefended replay of its own)."""
+    columns = ["paradigm", "profile", "policy", "threat", "defense_setting", "defense_series", "defense_strength",
+               "attack", "test_accuracy", "ssim", "psnr", "fsim", "puri"]
+    attacks = results.attacks
+    if attacks.empty or "ssim" not in attacks:
+        return pd.DataFrame(columns=columns)
+    images = attacks[attacks["base_attack"].isin(IMAGE_ATTACKS) & attacks["ssim"].notna()]
+    keys = ["sweep", "paradigm", "profile", "policy", "threat"]
+    undefended = images[images["defenses"] == NO_DEFENSE]
+    rows = []
+    for _, row in images[images["defenses"] != NO_DEFENSE].iterrows():
+        same = undefended[(undefended[keys] == row[keys]).all(axis=1)]
+        base = same[same["attack"] == row["attack"]]
+        base = base if not base.empty else same[same["attack"] == row["base_attack"]]
+        if base.empty or row["test_accuracy"] is None or base["test_accuracy"].iloc[0] is None:
+            continue
+        reference = base.iloc[0]
+        value = puri(row["test_accuracy"], reference["test_accuracy"], {m: row[m] for m in ("ssim", "psnr", "fsim")},
+                     {m: reference[m] for m in ("ssim", "psnr", "fsim")}, lam)
+        rows.append({**{c: row[c] for c in columns if c != "puri"}, "puri": value})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def best_by_puri(table: pd.DataFrame) -> pd.DataFrame:
+    """Per paradigm, policy, attack and defense series: the strength (ToMe's and drop's r, ...) with
+    the highest PURI."""
+    if table.empty:
+        return table
+    keys = ["paradigm", "profile", "policy", "threat", "attack", "defense_series"]
+    return table.loc[table.groupby(keys)["puri"].idxmax()].sort_values(keys).reset_index(drop=True)
 
 
 # --- the papers' claims ------------------------------------------------------------------------

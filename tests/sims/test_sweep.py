@@ -10,6 +10,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from attacks.metrics import puri
 from sims import results as R
 from sims.sweep import SweepError, load_sweep, run_sweep, status_rows
 from sims.sweep import main as sweep_main
@@ -330,6 +331,10 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
     assert any("image/png" in output.get("data", {}) for output in frontier.outputs)
     defense_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.defense_claims" in c.source)
     assert "masked-cosine ActInv" in json.dumps(defense_claims.outputs)
+    # The vision edge: SARA's placement against accuracy drawn, PURI tabled for the ToMe point.
+    edge = next(c for c in notebook.cells if c.cell_type == "code" and "R.puri_table" in c.source)
+    assert any("image/png" in output.get("data", {}) for output in edge.outputs)
+    assert "tome(r=4)" in json.dumps(edge.outputs)
 
 
 def test_the_shipped_sweeps_validate(tmp_path):
@@ -373,3 +378,21 @@ steps = 0
 [[grid]]
 name = "g"
 """)
+
+
+def test_puri_reads_each_defended_image_attack_against_its_undefended_run(smoke):
+    sweep, _ = smoke
+    loaded = R.load_results(sweep.folder)
+    table = R.puri_table(loaded)
+    edge = table[table["defense_setting"] == "tome(r=4)"]
+    assert list(edge["attack"]) == ["sara_adaptive"]
+    row = edge.iloc[0]
+    # The reference is the undefended USL run of the same policy, attacked by the base attack (SARA).
+    attacks = loaded.attacks
+    base = attacks[(attacks["attack"] == "sara") & (attacks["defenses"] == R.NO_DEFENSE) & (attacks["policy"] == "off")
+                   & (attacks["paradigm"] == "usl")].iloc[0]
+    expected = puri(row["test_accuracy"], base["test_accuracy"], {m: row[m] for m in ("ssim", "psnr", "fsim")},
+                    {m: base[m] for m in ("ssim", "psnr", "fsim")})
+    assert row["puri"] == pytest.approx(expected) and 0 <= row["puri"] <= 1
+    best = R.best_by_puri(table)
+    assert len(best) == len(best[["paradigm", "policy", "attack", "defense_series"]].drop_duplicates())
