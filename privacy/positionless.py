@@ -129,11 +129,10 @@ def held_out_kl(model: nn.Module, tower: nn.Module, batch: DistillBatch, tempera
 
 
 def _position_head(width: int, patches: int, seed: int) -> nn.Module:
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, patches))
-    torch.random.set_rng_state(generator_state)
-    return head
+    """The adversarial variant's position predictor, initialised from `seed` alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, patches))
 
 
 def distill_block(model: nn.Module, tower: nn.Module, block: int, train: DistillBatch, settings: DistillSettings,

@@ -352,7 +352,7 @@ def prepare_positionless(out: Path, edge: PositionlessPrepare, *, stages: Path |
     stages = (out / "stages" if stages is None else stages) / fingerprint
     stages.mkdir(parents=True, exist_ok=True)
     tower = positionless_tower(llava_parts(model).vision_tower).requires_grad_(False)
-    report = {"profile": edge.profile, "stage": edge.stage, "settings": asdict(settings), "rows": edge.rows,
+    report = {"profile": edge.profile, "stage": edge.stage, "settings": asdict(settings), "training_rows": edge.rows,
               "held_out": edge.held_out, "fingerprint": fingerprint,
               "kl_positionless": held_out_kl(model, tower, held_out, settings.temperature), "blocks": []}
     for block in range(1, settings.blocks + 1):
@@ -401,7 +401,7 @@ def run_positionless(args: argparse.Namespace) -> Path:
 def positionless_report(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines = [f"# Positionless edge: {report['profile']} ({report['stage']})", "",
-             f"Blocks 1..{s['blocks']}, {s['steps']} steps each of {s['batch_size']} rows ({report['rows']} training "
+             f"Blocks 1..{s['blocks']}, {s['steps']} steps each of {s['batch_size']} rows ({report['training_rows']} training "
              f"rows), lr {s['lr']}, T = {s['temperature']}, λ_pos = {s['position_weight']}; KL to the original "
              f"model on {report['held_out']} held-out rows (T²·KL at T, the distillation loss).", "",
              "| edge | held-out KL | position predictor accuracy |", "| --- | --- | --- |",
