@@ -38,7 +38,7 @@ from attacks.knowledge import AttackerKnowledge
 from attacks.recording import Recording
 from config import SimConfig
 from privacy import ACTIVATION, EDGE, DefenseChain, Payload, defense_class, options_from
-from privacy.edge import EdgeOutput, edge_grid, edge_vision_tokens
+from privacy.edge import EdgeOutput, edge_grid, edge_vision_tokens, select_sent
 from training.defenses import build_defenses
 from vlm.segments import llava_parts, project_visual_features, run_decoder_layers
 
@@ -129,16 +129,14 @@ class AttackerEdge:
             output: EdgeOutput = edge_vision_tokens(k.model, pixel_values[start : start + self.batch_size].to(k.device),
                                                     self.chain, seed)
             grids.append(edge_grid(output, k.num_patches).cpu())
-            for where, kept in zip(output.positions, keep[start : start + self.batch_size], strict=True):
-                where = where.cpu()
-                if self.reorders:
-                    wanted = torch.zeros(k.num_patches, dtype=torch.bool)
-                    wanted[kept] = True
-                    sent.append(where[wanted[where]])
-                else:
-                    present = torch.zeros(k.num_patches, dtype=torch.bool)
-                    present[where] = True
-                    sent.append(kept[present[kept]])
+            chunk_keep = keep[start : start + self.batch_size]
+            if self.reorders:
+                sent += [where.cpu() for where in select_sent(output, chunk_keep, k.num_patches)[1]]
+                continue
+            for where, kept in zip(output.positions, chunk_keep, strict=True):
+                present = torch.zeros(k.num_patches, dtype=torch.bool)
+                present[where.cpu()] = True
+                sent.append(kept[present[kept]])
         return torch.cat(grids), sent
 
 

@@ -40,8 +40,9 @@ class EdgeTokens:
     # The patch each token stands for [B, N] (long), and how many patches it covers [B, N].
     positions: torch.Tensor
     sizes: torch.Tensor
-    # The block's attention keys, averaged over heads [B, N, Dh]: ToMe's similarity.
-    keys: torch.Tensor
+    # The block's attention keys, averaged over heads [B, N, Dh]: ToMe's similarity (None when
+    # no defense in the chain reads them).
+    keys: torch.Tensor | None
     block: int  # 1-based: the block whose attention just ran
     blocks: int  # how many blocks run (up to the vision feature layer)
 
@@ -49,7 +50,7 @@ class EdgeTokens:
         """The tokens at `index` [B, M] of each image, in that order."""
         gather = lambda x: x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))  # noqa: E731
         return replace(self, tokens=gather(self.tokens), positions=gather(self.positions),
-                       sizes=gather(self.sizes), keys=gather(self.keys))
+                       sizes=gather(self.sizes), keys=None if self.keys is None else gather(self.keys))
 
 
 class EdgeDefense(Defense):
@@ -58,6 +59,8 @@ class EdgeDefense(Defense):
     stage = EDGE
     # Whether the tokens leave out of patch order (then the sent order is the tower's).
     reorders = False
+    # Whether `apply` reads `EdgeTokens.keys` (only then does the edge compute them).
+    reads_keys = False
 
     @abstractmethod
     def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
@@ -87,16 +90,18 @@ def check_edge(chain: DefenseChain, patches: int, blocks: int) -> None:
         defense.check(patches, blocks)
 
 
-def _proportional_block(layer: nn.Module, hidden: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _proportional_block(layer: nn.Module, hidden: torch.Tensor, sizes: torch.Tensor,
+                        keys: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A CLIP encoder layer's attention half with log-size attention bias; returns the hidden
-    states after the attention residual and the keys averaged over heads."""
+    states after the attention residual and (with `keys`) the keys averaged over heads."""
     attention = layer.self_attn
     normed = layer.layer_norm1(hidden)
     bias = sizes.log().to(hidden.dtype)[:, None, None, :]
     out, _ = attention(hidden_states=normed, attention_mask=bias)
+    if not keys:
+        return hidden + out, None
     b, n, _ = normed.shape
-    keys = attention.k_proj(normed).view(b, n, attention.num_heads, attention.head_dim).mean(2)
-    return hidden + out, keys
+    return hidden + out, attention.k_proj(normed).view(b, n, attention.num_heads, attention.head_dim).mean(2)
 
 
 @torch.no_grad()
@@ -121,10 +126,13 @@ def edge_vision_tokens(model: nn.Module, pixel_values: torch.Tensor, chain: Defe
     positions = torch.arange(count, device=hidden.device).expand(batch, count)
     sizes = torch.ones(batch, count + 1, device=hidden.device)
     metrics: dict[str, float] = {}
+    # The keys cost one more projection per block: computed only for a defense that reads them.
+    reads_keys = any(defense.reads_keys for defense in defenses)
     for block, layer in enumerate(layers[:blocks], start=1):
-        hidden, keys = _proportional_block(layer, hidden, sizes)
+        hidden, keys = _proportional_block(layer, hidden, sizes, keys=reads_keys)
         if defenses:
-            state = EdgeTokens(hidden[:, 1:], positions, sizes[:, 1:], keys[:, 1:], block, blocks)
+            state = EdgeTokens(hidden[:, 1:], positions, sizes[:, 1:], None if keys is None else keys[:, 1:],
+                               block, blocks)
             for defense in defenses:
                 state, measured = defense.apply(state, seed)
                 for key, value in measured.items():

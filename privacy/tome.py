@@ -57,6 +57,7 @@ def bipartite_merge(state: EdgeTokens, r: int) -> EdgeTokens:
 class TokenMerge(EdgeDefense):
     name = "tome"
     Options = ToMeOptions
+    reads_keys = True
 
     def check(self, patches: int, blocks: int) -> None:
         # Later blocks merge at most half the tokens left (set A's size), as ToMe's own code caps r.
