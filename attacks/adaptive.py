@@ -20,9 +20,15 @@ same per element either way. LOSS-stage defenses (NoPeek) change how the client
 trains, not what it sends, and have no counterpart here.
 
 `AttackerEdge` is the same for the EDGE-stage defenses (token shuffling, merging and
-dropping inside the client's vision tower): the attacker runs its own copy of the edge on
-its auxiliary images, with the run's options and its own seed, and gets the rows on the
-patch grid with the positions a client would send (SARA's `adaptive`).
+dropping inside the client's vision tower, the positionless tower): the attacker runs its
+own copy of the edge on its auxiliary images, with the run's options and its own seed, and
+gets the rows on the patch grid with the positions a client would send. The positionless
+edge's copy is the run's own distilled tower: the strongest attacker, one that holds the
+defended weights, not only the method.
+
+`AdaptiveAttack` is what FORA and SARA share: `adaptive=True` takes the run's defenses
+(`prepare_replay`, or the recording's header) and `attacker_rows` computes the attacker's
+visual rows through both copies, the edge first, as a client's rows pass them.
 
 Where the run's defenses come from (`defenses_for_run`): the run's config (what
 `prepare_replay` is handed), else the recording header's description of them.
@@ -34,13 +40,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from attacks.knowledge import AttackerKnowledge
+from attacks.base import Attack
+from attacks.context import ReplayContext
+from attacks.knowledge import AttackerKnowledge, visual_rows
 from attacks.recording import Recording
 from config import SimConfig
 from privacy import ACTIVATION, EDGE, DefenseChain, Payload, defense_class, options_from
 from privacy.edge import EdgeOutput, edge_grid, edge_vision_tokens, select_sent
 from training.defenses import build_defenses
 from vlm.segments import llava_parts, project_visual_features, run_decoder_layers
+from vqa import VQASample
 
 
 def chain_from_description(description: Sequence[Mapping[str, Any]]) -> DefenseChain:
@@ -112,6 +121,7 @@ class AttackerEdge:
         self.batch_size = batch_size
         # Every call draws anew (its own step), from the attacker's seed.
         self.calls = 0
+        self.share: float | None = None
 
     @property
     def names(self) -> list[str]:
@@ -138,6 +148,66 @@ class AttackerEdge:
                 present[where.cpu()] = True
                 sent.append(kept[present[kept]])
         return torch.cat(grids), sent
+
+    def kept_share(self, pixel_values: torch.Tensor) -> float:
+        """The share of the patches' tokens the edge leaves (what drops and merges remove), measured
+        once, on these images: the same for every image, since each operation removes r per block."""
+        if self.share is None:
+            n = self.knowledge.num_patches
+            _, sent = self.sends(pixel_values, [torch.arange(n)] * pixel_values.shape[0])
+            self.share = sum(s.numel() for s in sent) / (n * pixel_values.shape[0])
+        return self.share
+
+
+class AdaptiveAttack(Attack):
+    """An attack whose `adaptive` option (with `seed` and `batch_size`) re-applies the run's defenses
+    to the rows its own front computes for its auxiliary images."""
+
+    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
+    run_config: SimConfig | None = None
+    # The attacker's copies of the run's ACTIVATION and EDGE defenses (None: none, or not known
+    # yet), and the names of all it adapted to (None: not resolved).
+    defense: AttackerDefense | None = None
+    edge: AttackerEdge | None = None
+    adapted_to: list[str] | None = None
+
+    def prepare_replay(self, run: ReplayContext) -> None:
+        """An adaptive attack takes the run's defenses from its config (each run its own)."""
+        self.run_config = run.config
+        self.defense, self.edge, self.adapted_to = None, None, None
+        if self.options.adaptive:
+            self.use_defenses(defenses_for_run(self.name, self.run_config))
+
+    def use_defenses(self, chain: DefenseChain) -> "AdaptiveAttack":
+        """Re-apply `chain`'s EDGE and ACTIVATION defenses to the attacker's rows, drawing from the
+        attack's own seed: what `adaptive` does with the run's. A chain with none leaves it plain."""
+        seed = self.options.seed
+        defense, edge = AttackerDefense(self.knowledge, chain, seed=seed), AttackerEdge(self.knowledge, chain, seed=seed)
+        self.defense, self.edge = (defense if defense.names else None), (edge if edge.names else None)
+        self.adapted_to = edge.names + defense.names
+        return self
+
+    def resolve_defenses(self, recording: Recording | None = None) -> None:
+        """An adaptive attack not yet told the run's defenses reads them from the recording's header."""
+        if self.options.adaptive and self.adapted_to is None:
+            self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
+
+    def attacker_rows(
+        self, model: nn.Module, features: torch.Tensor, images: Sequence[VQASample], keep: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The visual rows `model` computes for auxiliary `images` (their undefended vision `features`)
+        whose pruning keeps `keep`, and the positions sent: through the run's edge and then its
+        activation defenses when adapted to them (in batches of `batch_size`: a defense that looks
+        through the front holds a batch's graph), else `attacks.knowledge.visual_rows`."""
+        k = self.knowledge
+        if self.edge is not None:
+            features, keep = self.edge.sends(k.pixel_values(list(images)), keep)
+        if self.defense is None:
+            return visual_rows(model, features, k.prefix_ids, k.first_cut, keep), list(keep)
+        step = max(1, self.options.batch_size)
+        rows = [r for start in range(0, features.shape[0], step)
+                for r in self.defense.visual_rows(model, features[start : start + step], keep[start : start + step])]
+        return rows, list(keep)
 
 
 def visual_front(

@@ -12,12 +12,15 @@ simulates random keep sets of the observed sizes on its auxiliary data, spreads 
 in-order set evenly over the grid, and lets the decoder learn from that.
 
 Adaptive (`adaptive=True`; the attacker knows the run's defense and its options): the
-substitute's auxiliary rows pass through the run's activation-stage defenses
-(attacks.adaptive: the run's options, the attacker's own seed) both where the
-substitute is fitted to the observed rows (so defended substitute rows are matched to
-the defended observations) and where the inverse network is trained, so the decoder
-learns to invert defended rows. Its input noise then spares the elements the defense
-zeroed (the observations carry those zeros exactly).
+substitute's auxiliary rows pass through the run's edge (token shuffling, merging,
+dropping, the positionless tower) and activation-stage defenses (attacks.adaptive: the
+run's options, the attacker's own seed) both where the substitute is fitted to the
+observed rows (so defended substitute rows are matched to the defended observations)
+and where the inverse network is trained, so the decoder learns to invert defended
+rows. Its input noise then spares the elements the defense zeroed (the observations
+carry those zeros exactly). Through an edge that drops or merges tokens, a simulated
+keep set is larger than the observed count by the share of tokens the edge leaves, so
+that what survives the attacker's edge is as many rows as a client sent.
 """
 
 from collections.abc import Sequence
@@ -27,10 +30,8 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.adaptive import AttackerDefense, defenses_for_run
-from attacks.base import Attack, AttackResult, Truth, register_attack
-from attacks.context import ReplayContext
-from attacks.knowledge import visual_rows
+from attacks.adaptive import AdaptiveAttack
+from attacks.base import AttackResult, Truth, register_attack
 from attacks.networks import (
     GridDecoder,
     GridDiscriminator,
@@ -42,8 +43,6 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
-from config import SimConfig
-from privacy import DefenseChain
 from vqa import VQASample
 
 
@@ -65,41 +64,14 @@ class FORAOptions:
     progress: bool = True
 
 
-class FORA(Attack):
+class FORA(AdaptiveAttack):
     name = "fora"
     threat_model = "passive"
     Options = FORAOptions
 
-    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
-    run_config: SimConfig | None = None
-    # The defenses an adaptive attack re-applies (None: none, or not known yet), and their names.
-    defense: AttackerDefense | None = None
-    adapted_to: list[str] | None = None
-
-    def prepare_replay(self, run: ReplayContext) -> None:
-        """An adaptive attack takes the run's defenses from its config (each run its own)."""
-        self.run_config = run.config
-        self.defense, self.adapted_to = None, None
-        self._resolve_defenses()
-
-    def use_defenses(self, chain: DefenseChain) -> "FORA":
-        """Re-apply `chain`'s activation-stage defenses to the attacker's
-        rows, drawing from the attack's own seed: what `adaptive` does with the run's. A chain
-        with none leaves the attack plain."""
-        defense = AttackerDefense(self.knowledge, chain, seed=self.options.seed)
-        self.defense, self.adapted_to = (defense if defense.names else None), defense.names
-        return self
-
-    def _resolve_defenses(self, recording: Recording | None = None) -> None:
-        if self.options.adaptive and self.adapted_to is None:
-            self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
-
-    def _rows(self, model: torch.nn.Module, features: torch.Tensor, keep) -> list[torch.Tensor]:
-        """The attacker's visual rows for its auxiliary images: through the defenses when adaptive."""
-        k = self.knowledge
-        if self.defense is None:
-            return visual_rows(model, features, k.prefix_ids, k.first_cut, keep)
-        return self.defense.visual_rows(model, features, keep)
+    def _rows(self, model: torch.nn.Module, batch: torch.Tensor, keep) -> list[torch.Tensor]:
+        """The attacker's visual rows for the auxiliary images at `batch`: through the defenses when adaptive."""
+        return self.attacker_rows(model, self.aux_features[batch], [self.aux[int(i)] for i in batch], keep)[0]
 
     def fit(self, aux: Sequence[VQASample]) -> "FORA":
         """Keeps the auxiliary images and their frozen vision features (FORA trains on the observations)."""
@@ -115,7 +87,7 @@ class FORA(Attack):
         """Images [n, 3, H, W] from observed visual row sets [k_b, D]."""
         if not hasattr(self, "aux_features"):
             raise RuntimeError("FORA.fit(aux) must run before reconstruct")
-        self._resolve_defenses()
+        self.resolve_defenses()
         observed = [rows.float() for rows in observed]
         counts = [rows.shape[0] for rows in observed]
         substitute = self.fit_substitute(observed, counts)
@@ -125,10 +97,12 @@ class FORA(Attack):
             return torch.cat([decoder(grid[i : i + 256]) for i in range(0, grid.shape[0], 256)])
 
     def _aux_keep(self, counts: Sequence[int], generator: torch.Generator, size: int) -> list[torch.Tensor]:
-        """Random in-order keep sets whose sizes follow the observed counts."""
+        """Random in-order keep sets whose sizes follow the observed counts (before the edge's drops)."""
         n = self.knowledge.num_patches
         chosen = torch.randint(len(counts), (size,), generator=generator)
-        return [torch.randperm(n, generator=generator)[: counts[int(i)]].sort().values for i in chosen]
+        share = 1.0 if self.edge is None else self.edge.kept_share(self.knowledge.pixel_values(self.aux[:8]))
+        return [torch.randperm(n, generator=generator)[: min(n, round(counts[int(i)] / share))].sort().values
+                for i in chosen]
 
     def _grid(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
         n = self.knowledge.num_patches
@@ -151,7 +125,7 @@ class FORA(Attack):
         for _ in tqdm(range(o.substitute_steps), desc="FORA substitute", disable=not o.progress):
             batch = torch.randint(len(self.aux), (size,), generator=generator)
             keep = self._aux_keep(counts, generator, size)
-            fake = self._grid(self._rows(substitute, self.aux_features[batch], keep))
+            fake = self._grid(self._rows(substitute, batch, keep))
             real = observed_grid[torch.randint(len(observed), (size,), generator=generator)]
             # The discriminator learns observed (1) vs substitute (0); the substitute learns to fool it.
             disc_loss = F.binary_cross_entropy_with_logits(discriminator(real), torch.ones(size)) + \
@@ -172,12 +146,8 @@ class FORA(Attack):
         the observed sizes; through the run's defenses when adaptive) on the grid, [n, N, D]."""
         generator = torch.Generator().manual_seed(self.options.seed + 1) if generator is None else generator
         keep = self._aux_keep(counts, generator, len(self.aux))
-        # A defense that looks through the front (PriPert) holds a batch's graph: defended rows go in batches.
-        step = len(self.aux) if self.defense is None else max(1, self.options.batch_size)
         with torch.no_grad():
-            rows = [r for i in range(0, len(self.aux), step)
-                    for r in self._rows(substitute, self.aux_features[i : i + step], keep[i : i + step])]
-            return self._grid(rows)
+            return self._grid(self._rows(substitute, torch.arange(len(self.aux)), keep))
 
     def train_inverse_network(self, substitute: torch.nn.Module, counts: Sequence[int]) -> GridDecoder:
         k, o = self.knowledge, self.options
@@ -205,7 +175,7 @@ class FORA(Attack):
     # -- the attack on a recording ---------------------------------------------------------
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge
-        self._resolve_defenses(recording)
+        self.resolve_defenses(recording)
         spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         images = self.reconstruct([obs.rows for obs in observations])

@@ -11,10 +11,10 @@ All three are trained on the attacker's auxiliary images through its copy of the
 public front. The TPP learns from simulated sends: random keep sets (share drawn from
 `keep_ratios`) in random order when `shuffle`. Pruned rows are *recomputed* for each
 keep set — after the front's attention and rotary positions they differ from the
-unpruned rows of the same patches. Adaptive (`adaptive=True`, against the EDGE defenses:
-token shuffling, merging, dropping) the simulated sends go through the attacker's copy of
-the run's edge (attacks.adaptive.AttackerEdge), so the TPP learns to place merged and
-surviving tokens in the order the edge sends them.
+unpruned rows of the same patches. Adaptive (`adaptive=True`) the simulated sends go
+through the attacker's copies of the run's edge (token shuffling, merging, dropping, the
+positionless tower) and activation defenses (attacks.adaptive), so the TPP learns to place
+merged and surviving tokens in the order the edge sends them, as the defenses leave them.
 
 As the paper trains them (`stage_inputs="paper"`), the MAE restores full grids with a
 random share of their rows zeroed and the decoder inverts full grids, each independently
@@ -42,9 +42,8 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.adaptive import AttackerEdge, defenses_for_run
-from attacks.base import Attack, AttackResult, Truth, register_attack
-from attacks.context import ReplayContext
+from attacks.adaptive import AdaptiveAttack
+from attacks.base import AttackResult, Truth, register_attack
 from attacks.knowledge import visual_rows
 from attacks.metrics import image_metrics
 from attacks.networks import (
@@ -59,8 +58,6 @@ from attacks.networks import (
 )
 from attacks.observations import VisualSpans, pruned, score_images, visual_observations
 from attacks.recording import Recording
-from config import SimConfig
-from privacy import DefenseChain
 from vqa import VQASample
 
 STAGE_INPUTS = ("paper", "chained")
@@ -92,8 +89,8 @@ class SARAOptions:
     stage_inputs: str = "paper"
     # τ: a row is placed only if its top position probability reaches it (the paper uses 0).
     threshold: float = 0.0
-    # Simulate the sends through the attacker's copy of the run's EDGE defenses (attacks.adaptive):
-    # tokens the edge merged or dropped, in the order it sends them.
+    # Simulate the sends through the attacker's copy of the run's defenses (attacks.adaptive):
+    # tokens the edge merged or dropped, in the order it sends them, as the defenses leave them.
     adaptive: bool = False
     batch_size: int = 32
     seed: int = 0
@@ -117,35 +114,15 @@ class SARAOptions:
             raise ValueError(f"tpp_width={self.tpp_width} must be at least 1 (or None: half the row width)")
 
 
-class SARA(Attack):
+class SARA(AdaptiveAttack):
     name = "sara"
     threat_model = "passive"
     Options = SARAOptions
 
-    # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
-    run_config: SimConfig | None = None
-    # The edge an adaptive attack simulates its sends through (None: none, or not known yet).
-    edge: AttackerEdge | None = None
-    adapted_to: list[str] | None = None
-
-    def prepare_replay(self, run: ReplayContext) -> None:
-        """An adaptive attack takes the run's defenses from its config (each run its own)."""
-        self.run_config = run.config
-        self.edge, self.adapted_to = None, None
-        if self.options.adaptive:
-            self.use_defenses(defenses_for_run(self.name, self.run_config))
-
-    def use_defenses(self, chain: DefenseChain) -> "SARA":
-        """Simulate the sends through `chain`'s EDGE defenses, drawing from the attack's own seed:
-        what `adaptive` does with the run's (call before `fit`). A chain with none leaves it plain."""
-        edge = AttackerEdge(self.knowledge, chain, seed=self.options.seed)
-        self.edge, self.adapted_to = (edge if edge.names else None), edge.names
-        return self
-
     def fit(self, aux: Sequence[VQASample]) -> "SARA":
         k, o = self.knowledge, self.options
         if o.adaptive and self.adapted_to is None:
-            raise ValueError("sara with adaptive=True simulates the run's EDGE defenses: replay it on a run folder "
+            raise ValueError("sara with adaptive=True simulates the run's defenses: replay it on a run folder "
                              "(prepare_replay hands it the run's config) or call use_defenses(chain) before fit")
         self.aux = list(aux)
         pixels = k.pixel_values(self.aux)
@@ -157,12 +134,10 @@ class SARA(Attack):
             full = torch.stack(visual_rows(k.model, features, k.prefix_ids, k.first_cut))
             sent_rows, positions = [], []
             for _ in range(o.variants_per_image):
-                keep = [self._simulated_keep(generator) for _ in self.aux]
-                rows_from = features
-                if self.edge is not None:
-                    rows_from, keep = self.edge.sends(pixels, keep)
-                sent_rows += visual_rows(k.model, rows_from, k.prefix_ids, k.first_cut, keep)
-                positions += keep
+                rows, sent = self.attacker_rows(k.model, features, self.aux,
+                                                [self._simulated_keep(generator) for _ in self.aux])
+                sent_rows += rows
+                positions += sent
             # The auxiliary image behind each simulated row set.
             source = torch.arange(len(self.aux)).repeat(o.variants_per_image)
         with seeded(o.seed):

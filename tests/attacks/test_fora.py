@@ -8,7 +8,8 @@ import torch
 from attacks import build_attack
 from attacks.context import ReplayContext
 from attacks.knowledge import split_packed
-from training.defenses import describe_defenses
+from privacy.edge import edge_vision_tokens
+from training.defenses import build_defenses, describe_defenses
 from vlm.lora import decoder_layer_index, lora_parameters
 
 FAST = {"substitute_steps": 30, "decoder_steps": 400, "decoder_width": 64, "progress": False}
@@ -113,3 +114,26 @@ def test_adaptive_fora_replays_on_a_defended_recording_training_on_defended_rows
     with pytest.raises(ValueError, match="adaptive=True re-applies the run's defenses"):
         build_attack("fora", knowledge, adaptive=True, substitute_steps=1, decoder_steps=1, progress=False).fit(
             aux[:8]).run(bare)
+
+
+def test_adaptive_fora_simulates_the_run_s_edge_so_as_many_rows_survive_as_a_client_sent(
+    knowledge, aux, tmp_path, defended_config
+):
+    """Through an edge that drops tokens (and sparsification after it), the attacker's keep sets are
+    larger than the observed count by the share the edge leaves: what survives its copy of the edge is
+    as many rows per image as the client sent, each sparsified as the client's were."""
+    config = defended_config("drop,sparsify", {"drop.r": 4, "sparsify.ratio": 0.6})
+    attack = build_attack("fora", knowledge, adaptive=True, batch_size=8, progress=False)
+    attack.prepare_replay(ReplayContext(tmp_path, config, knowledge))
+    attack.fit(aux[:16])
+    assert attack.adapted_to == ["drop", "sparsify"]
+    chain = build_defenses(config)
+    sent = edge_vision_tokens(knowledge.model, knowledge.pixel_values(aux[:1]), chain, chain.seed_for(0, 0, 1))
+    observed = sent.tokens[0].shape[0]
+    assert observed < knowledge.num_patches
+    grid = attack.inverse_training_rows(knowledge.model, [observed])
+    rows_per_image = (grid != 0).any(-1).sum(-1)
+    assert torch.equal(rows_per_image, torch.full((16,), observed))
+    width = knowledge.hidden_size
+    assert torch.equal(zero_shares(grid[:, (grid[0] != 0).any(-1)]),
+                       torch.full((16,), round(0.6 * observed * width) / (observed * width)))

@@ -87,5 +87,5 @@ def test_the_attackers_edge_sends_what_a_client_s_edge_would(knowledge, victims)
 
 
 def test_adaptive_sara_needs_the_run_s_defenses_before_it_fits(knowledge, aux):
-    with pytest.raises(ValueError, match="adaptive=True simulates the run's EDGE defenses"):
+    with pytest.raises(ValueError, match="adaptive=True simulates the run's defenses"):
         build_attack("sara", knowledge, adaptive=True, progress=False).fit(aux[:4])
