@@ -3,6 +3,7 @@
     qpriv-sweep run sims/sweeps/paradigms.toml && python benchmarks/sweep_results.py paradigms
     qpriv-sweep run sims/sweeps/pruning-attacks.toml && python benchmarks/sweep_results.py pruning-attacks
     qpriv-sweep run sims/sweeps/defenses.toml && python benchmarks/sweep_results.py defenses
+    qpriv-sweep run sims/sweeps/vision-edge.toml && python benchmarks/sweep_results.py vision-edge
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (default ~/qpriv-sweeps/<name>; --sweep) through sims/results.py, the
@@ -24,7 +25,7 @@ from sims.sweep import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
-SWEEPS = ("paradigms", "pruning-attacks", "defenses")
+SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge")
 COMMAND = "python benchmarks/sweep_results.py"
 
 
@@ -55,6 +56,12 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
         tables["defenses"] = records(R.defense_table(results))
         tables["defense_claims"] = {p: records(R.defense_claims(results, p))
                                     for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
+    elif name == "vision-edge":
+        tables["edge"] = records(R.image_attack_table(results))
+        puri = R.puri_table(results)
+        tables["puri"], tables["best_puri"] = records(puri), records(R.best_by_puri(puri))
+        tables["edge_claims"] = {p: records(R.edge_claims(results, p))
+                                 for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     else:
         tables["pruning"] = records(R.pruning_table(results))
         tables["attacks"] = records(R.attack_table(results))
@@ -150,8 +157,48 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
             lines += ["", f"## Seed 001's defense claims, {paradigm.upper()}", "", markdown_table(
                 ["claim", "paper", "measured", "verdict", "rule / reason"],
                 [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
+    if "edge" in tables:
+        lines += _edge_sections(tables)
     return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],
                           command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
+
+
+# The vision-edge table's attack columns: (label, title, metrics shown in its cells).
+EDGE_COLUMNS = (("sara", "SARA", ("ssim", "psnr", "fsim", "position_accuracy")),
+                ("sara_adaptive", "adaptive SARA", ("ssim", "psnr", "fsim", "position_accuracy")),
+                ("fora", "FORA", ("ssim", "psnr", "fsim", "mark_readback")),
+                ("fora_adaptive", "adaptive FORA", ("ssim", "psnr", "fsim", "mark_readback")),
+                ("fsha", "FSHA", ("ssim", "psnr", "fsim", "mark_readback")))
+CELL = {"ssim": ".2f", "psnr": ".1f", "fsim": ".2f", "mark_readback": ".2f", "position_accuracy": ".1%"}
+
+
+def _edge_sections(tables: dict[str, Any]) -> list[str]:
+    """The vision-edge sweep's tables: per paradigm and threat the attacks on each setting, PURI's
+    best strength per operation, and seed 002's findings."""
+    lines = ["", "## The vision edge", "", "Each run fine-tuned under its operation (test accuracy after fine-tuning). "
+             "Cells: SSIM / PSNR dB / FSIM / then SARA's share of rows placed at their patch, or FORA's and FSHA's "
+             "stamped-digit read-back. Adaptive: refitted through the attacker's copy of the run's edge."]
+    rows = tables["edge"]
+    for paradigm, threat in dict.fromkeys((r["paradigm"], r["threat"]) for r in rows):
+        chosen = [r for r in rows if (r["paradigm"], r["threat"]) == (paradigm, threat)]
+        shown = [(label, title, metrics) for label, title, metrics in EDGE_COLUMNS
+                 if any(r.get(f"{label}_ssim") is not None for r in chosen)]
+        lines += ["", f"### {paradigm.upper()}, {threat} server", "", markdown_table(
+            ["profile", "policy", "defense", "test acc.", "kept tokens", *(title for _, title, _ in shown)],
+            [[r["profile"], r["policy"], r["defense_setting"], percent(r["test_accuracy"]),
+              _f(r.get("kept_tokens_mean"), ".1f"),
+              *(" / ".join(_f(r.get(f"{label}_{m}"), CELL[m]) for m in metrics) for label, _, metrics in shown)]
+             for r in chosen])]
+    if tables["best_puri"]:
+        lines += ["", "### PURI (λ = 0.7): the best strength per operation", "", markdown_table(
+            ["paradigm", "profile", "policy", "attack", "operation", "best setting", "test acc.", "SSIM", "PURI"],
+            [[r["paradigm"].upper(), r["profile"], r["policy"], r["attack"], r["defense_series"], r["defense_setting"],
+              percent(r["test_accuracy"]), _f(r["ssim"], ".2f"), _f(r["puri"], ".3f")] for r in tables["best_puri"]])]
+    for paradigm, claims in tables["edge_claims"].items():
+        lines += ["", f"## Seed 002's findings, {paradigm.upper()}", "", markdown_table(
+            ["claim", "paper", "measured", "verdict", "rule / reason"],
+            [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in claims])]
+    return lines
 
 
 def main() -> None:

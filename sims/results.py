@@ -9,8 +9,8 @@
 Any folder is searched for run folders (those holding config.json), so a sweep folder, a
 folder of sweeps or single runs all load the same way. A run folder that lacks a file or
 holds a torn one is listed in `incomplete` with the reason, never raised. The helpers below
-(`mia_roc`, `reconstructions`, `claims`, `defense_claims`, `defense_frontier`, `defense_table`)
-read only what a run wrote. A defended run's `defense_setting` names each defense with its
+(`mia_roc`, `reconstructions`, `claims`, `defense_claims`, `edge_claims`, `defense_frontier`,
+`defense_table`) read only what a run wrote. A defended run's `defense_setting` names each defense with its
 strength and the options that differ from its defaults; a single-defense run also has a
 `defense_series` (the setting without its strength) and a `defense_strength`, the frontier's
 line and x.
@@ -22,7 +22,7 @@ is the registered attack behind it (the headline metric comes from it).
 """
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -324,11 +324,35 @@ def defense_table(results: Results) -> pd.DataFrame:
     if attacks.empty:
         return pd.DataFrame()
     rows = []
-    for (paradigm, policy, setting), group in attacks.groupby(["paradigm", "policy", "defense_setting"]):
-        rows.append(_headlines(group, {"paradigm": paradigm, "policy": policy, "defense_setting": setting,
-                                       "defenses": group["defenses"].iloc[0],
+    for (paradigm, profile, policy, setting), group in attacks.groupby(["paradigm", "profile", "policy",
+                                                                         "defense_setting"]):
+        rows.append(_headlines(group, {"paradigm": paradigm, "profile": profile, "policy": policy,
+                                       "defense_setting": setting, "defenses": group["defenses"].iloc[0],
                                        "test_accuracy": group["test_accuracy"].mean()}))
-    return pd.DataFrame(rows).sort_values(["paradigm", "policy", "defense_setting"]).reset_index(drop=True)
+    return pd.DataFrame(rows).sort_values(["paradigm", "profile", "policy", "defense_setting"]).reset_index(drop=True)
+
+
+# What the vision-edge table reads of each image attack (position_accuracy: SARA's only).
+IMAGE_METRICS = ("ssim", "psnr", "fsim", "mark_readback", "position_accuracy")
+
+
+def image_attack_table(results: Results) -> pd.DataFrame:
+    """Per paradigm, profile, policy, threat and defense setting: test accuracy, kept tokens and, per
+    image attack label, its SSIM, PSNR, FSIM, mark read-back and (SARA) position accuracy, as
+    <label>_<metric>."""
+    attacks = results.attacks
+    if attacks.empty:
+        return pd.DataFrame()
+    keys = ["paradigm", "profile", "policy", "threat", "defense_setting"]
+    rows = []
+    for values, group in attacks[attacks["base_attack"].isin(IMAGE_ATTACKS)].groupby(keys):
+        row = {**dict(zip(keys, values, strict=True)), "test_accuracy": group["test_accuracy"].mean(),
+               "kept_tokens_mean": group["kept_tokens_mean"].mean()}
+        for _, result in group.iterrows():
+            row.update({f"{result['attack']}_{metric}": result[metric] for metric in IMAGE_METRICS
+                        if metric in result and pd.notna(result[metric])})
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values(keys).reset_index(drop=True) if rows else pd.DataFrame()
 
 
 def defense_frontier(results: Results, attack: str = "fora", metric: str = "psnr") -> pd.DataFrame:
@@ -564,6 +588,118 @@ def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
             None if defended is None or idlg_clean is None
             else bool(defended["label_accuracy"] < idlg_clean["label_accuracy"] - 0.05),
             "holds if the label accuracy falls by more than 0.05")
+    return pd.DataFrame(rows)
+
+
+# Seed 002's margins: a fall in SSIM that counts (a tenth of its range), the share of the lost
+# SSIM an attack must win back to "restore most of it", and placement that counts as near chance.
+SSIM_FALL = 0.1
+RESTORED_SHARE = 0.5
+NEAR_CHANCE = 2.0
+EDGE_ATTACKS = ("sara", "sara_adaptive", "fora", "fora_adaptive")
+
+
+def _edge_ssim(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] = EDGE_ATTACKS
+               ) -> tuple[float | None, str | None]:
+    """The highest SSIM any of `labels` reached on the run of `setting` and `policy` (the attacker
+    picks its best), and the label that reached it."""
+    chosen = attacks[(attacks["defense_setting"] == setting) & (attacks["policy"] == policy)
+                     & attacks["attack"].isin(labels)].dropna(subset=["ssim"])
+    if chosen.empty:
+        return None, None
+    best = chosen.loc[chosen["ssim"].idxmax()]
+    return float(best["ssim"]), str(best["attack"])
+
+
+def _sara_at(attacks: pd.DataFrame, setting: str, policy: str) -> pd.Series | None:
+    """SARA on one run: the adaptive replay where it ran (it knows the edge), else the plain one."""
+    for label in ("sara_adaptive", "sara"):
+        row = _one(attacks, attack=label, defense_setting=setting, policy=policy)
+        if row is not None:
+            return row
+    return None
+
+
+def edge_claims(results: Results, paradigm: str = "usl", profile: str | None = None) -> pd.DataFrame:
+    """Seed 002's findings about the vision edge, checked on `paradigm`'s runs of the sweep of edge
+    defenses (its positionless edges labelled k1, k2, k2-adv as in sims/sweeps/vision-edge.toml), on
+    `profile` (default: the one most edge-defended runs used). The image attacker's SSIM is the best of
+    SARA and FORA, plain or adaptive, on each run."""
+    rows: list[dict[str, str]] = []
+
+    def add(claim: str, paper: str, measured: str, holds: bool | None, reason: str) -> None:
+        rows.append({"claim": claim, "paper": paper, "measured": measured, "verdict": _verdict(holds), "reason": reason})
+
+    def fmt(value: float | None, spec: str = ".2f") -> str:
+        return "—" if value is None or pd.isna(value) else format(value, spec)
+
+    attacks = results.attacks
+    edge = {"shuffle", "tome", "drop", "positionless"}
+    if not attacks.empty:
+        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")]
+        defended = attacks[attacks["defenses"].map(lambda d: bool(set(str(d).split("+")) & edge))]
+        if profile is None and not defended.empty:
+            profile = str(defended["profile"].mode().iloc[0])
+        attacks = attacks[attacks["sweep"].isin(set(defended["sweep"])) & (attacks["profile"] == profile)]
+    if attacks.empty or "ssim" not in attacks:
+        add("vision-edge claims (seed 002)", "—", "—", None, f"no {paradigm} vision-edge runs with image attacks")
+        return pd.DataFrame(rows)
+
+    fora_none, fora_shuffled = (_edge_ssim(attacks, s, "off", ("fora",))[0] for s in (NO_DEFENSE, "shuffle"))
+    add("token shuffling defeats a decoder that reads the rows in arrival order", "SSIM 0.70 → 0.25",
+        f"FORA SSIM {fmt(fora_none)} → {fmt(fora_shuffled)}",
+        None if fora_none is None or fora_shuffled is None else bool(fora_shuffled <= fora_none - SSIM_FALL),
+        f"holds if FORA's SSIM falls by at least {SSIM_FALL:g} on the shuffled run")
+    sara_none, sara_shuffled = _sara_at(attacks, NO_DEFENSE, "off"), _sara_at(attacks, "shuffle", "off")
+    if sara_none is None or sara_shuffled is None or pd.isna(sara_shuffled.get("without_positions_ssim")):
+        add("SARA restores most of it: shuffling is only apparent privacy", "most of the SSIM back", "—", None,
+            "needs SARA on the undefended and the shuffled run")
+    else:
+        lost = float(sara_none["ssim"] - sara_shuffled["without_positions_ssim"])
+        won = float(sara_shuffled["ssim"] - sara_shuffled["without_positions_ssim"])
+        add("SARA restores most of it: shuffling is only apparent privacy", "most of the SSIM back",
+            f"SSIM {fmt(sara_shuffled['ssim'])} placed vs {fmt(sara_shuffled['without_positions_ssim'])} in arrival "
+            f"order ({fmt(sara_none['ssim'])} undefended); {fmt(100 * sara_shuffled['position_accuracy'], '.1f')}% "
+            f"of rows placed (chance {fmt(100 * sara_shuffled['chance_position_accuracy'], '.1f')}%)",
+            bool(lost > 0 and won >= RESTORED_SHARE * lost),
+            f"holds if placing the rows wins back at least {RESTORED_SHARE:.0%} of the SSIM that arrival order loses")
+    best_none, _ = _edge_ssim(attacks, NO_DEFENSE, "off")
+    for label in ("k1", "k2"):
+        setting = f"positionless(artifact={label})+shuffle"
+        best, by = _edge_ssim(attacks, setting, "off")
+        sara = _sara_at(attacks, setting, "off")
+        placed = None if sara is None else sara.get("position_accuracy")
+        chance = None if sara is None else sara.get("chance_position_accuracy")
+        add(f"the positionless edge ({label}) with shuffling keeps SSIM low", "SSIM < 0.4 at every cut (0.70 undefended)",
+            f"best SSIM {fmt(best)} ({by or '—'}; {fmt(best_none)} undefended); SARA places "
+            f"{fmt(None if placed is None else 100 * placed, '.1f')}% (chance {fmt(None if chance is None else 100 * chance, '.1f')}%)",
+            None if best is None or best_none is None or placed is None or pd.isna(placed)
+            else bool(best <= best_none - SSIM_FALL and placed <= NEAR_CHANCE * chance),
+            f"holds if the best attacker's SSIM is at least {SSIM_FALL:g} below the undefended run's and SARA "
+            f"places at most {NEAR_CHANCE:g}× chance")
+    plain, _ = _edge_ssim(attacks, "positionless(artifact=k2)+shuffle", "off")
+    adversarial, _ = _edge_ssim(attacks, "positionless(artifact=k2-adv)+shuffle", "off")
+    accuracy = {label: _one(attacks, defense_setting=f"positionless(artifact={label})+shuffle", policy="off")
+                for label in ("k2", "k2-adv")}
+    acc = {label: None if row is None else row["test_accuracy"] for label, row in accuracy.items()}
+    add("the adversarial positionless edge lowers SSIM further, at some accuracy cost",
+        "SSIM 0.370 → 0.290, accuracy 78.3% → 71.9% (ViT-B)",
+        f"SSIM {fmt(plain)} → {fmt(adversarial)}, accuracy {fmt(None if acc['k2'] is None else 100 * acc['k2'], '.1f')}% → "
+        f"{fmt(None if acc['k2-adv'] is None else 100 * acc['k2-adv'], '.1f')}%",
+        None if plain is None or adversarial is None else bool(adversarial < plain),
+        "holds if the best attacker's SSIM is lower against the adversarial edge (k = 2, both shuffled); the "
+        "accuracy cost is reported, not ruled on")
+    dtp_none, dtp_edge = _sara_at(attacks, NO_DEFENSE, "dtp"), _sara_at(attacks, "positionless(artifact=k2)", "dtp")
+    add("(no paper) SARA against QPriv-VL's pruned set: the positionless edge hides which patches DTP kept",
+        "—",
+        "—" if dtp_none is None or dtp_edge is None else
+        f"SARA places {fmt(100 * dtp_none['position_accuracy'], '.1f')}% → {fmt(100 * dtp_edge['position_accuracy'], '.1f')}%, "
+        f"SSIM {fmt(dtp_none['ssim'])} → {fmt(dtp_edge['ssim'])}",
+        None if dtp_none is None or dtp_edge is None or pd.isna(dtp_none.get("position_accuracy"))
+        else bool(dtp_edge["position_accuracy"] <= NEAR_CHANCE * dtp_edge["chance_position_accuracy"]
+                  and dtp_edge["ssim"] <= dtp_none["ssim"] - SSIM_FALL),
+        f"holds if SARA places at most {NEAR_CHANCE:g}× chance of DTP's rows through the positionless edge (k = 2, "
+        f"unshuffled: DTP's rows arrive in patch order, which patches is what is hidden) and its SSIM falls by {SSIM_FALL:g}")
     return pd.DataFrame(rows)
 
 

@@ -335,10 +335,12 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
     edge = next(c for c in notebook.cells if c.cell_type == "code" and "R.puri_table" in c.source)
     assert any("image/png" in output.get("data", {}) for output in edge.outputs)
     assert "tome(r=4)" in json.dumps(edge.outputs)
+    edge_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.edge_claims" in c.source)
+    assert "token shuffling defeats a decoder" in json.dumps(edge_claims.outputs)
 
 
 def test_the_shipped_sweeps_validate(tmp_path):
-    for name in ("paradigms", "pruning-attacks", "defenses", "smoke"):
+    for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "smoke"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
