@@ -171,6 +171,10 @@ class AdaptiveAttack(Attack):
     edge: AttackerEdge | None = None
     adapted_to: list[str] | None = None
 
+    @classmethod
+    def fit_adapts_to_defenses(cls, options: Mapping[str, Any]) -> bool:
+        return bool(options.get("adaptive", False))
+
     def prepare_replay(self, run: ReplayContext) -> None:
         """An adaptive attack takes the run's defenses from its config (each run its own)."""
         self.run_config = run.config

@@ -12,7 +12,7 @@ Each attack module ends with `register_attack(TheAttack)`; the replay command an
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -78,6 +78,12 @@ class Attack(ABC):
     # Whether `fit` reads the run itself (state prepare_replay took from it) besides public data;
     # an attack whose fit does not is fitted once and replayed on every run of the same public setting.
     fit_reads_run: ClassVar[bool] = False
+
+    @classmethod
+    def fit_adapts_to_defenses(cls, options: Mapping[str, Any]) -> bool:
+        """Whether an attack built with `options` fits to the run's defenses (then it is fitted
+        once per defense setting, else once for every defended run of a public setting)."""
+        return False
 
     def __init__(self, knowledge: AttackerKnowledge, **options: Any) -> None:
         allowed = {f.name for f in fields(self.Options)}

@@ -50,10 +50,13 @@ _PRIVATE_OR_RUN_ONLY = ("pruning.", "output.", "faults.", "eval.", "wire.", "thr
                         "threat.fsha_")
 
 
-def public_setting(config: SimConfig) -> str:
+def public_setting(config: SimConfig, *, defenses: bool = True) -> str:
     """A key equal for runs whose attackers know the same public model, cuts, recipe and
-    auxiliary data: an attack fitted for one of them (`fit_for_run`) replays on all."""
-    kept = {k: v for k, v in config.to_flat().items() if not k.startswith(_PRIVATE_OR_RUN_ONLY)}
+    auxiliary data: an attack fitted for one of them (`fit_for_run`) replays on all. With
+    `defenses=False` the runs' defenses (privacy.*) are left out of it: an attack whose fit does
+    not re-apply them (`Attack.fit_adapts_to_defenses`) fits the same on every defended run."""
+    private = _PRIVATE_OR_RUN_ONLY if defenses else (*_PRIVATE_OR_RUN_ONLY, "privacy.")
+    kept = {k: v for k, v in config.to_flat().items() if not k.startswith(private)}
     return json.dumps(kept, sort_keys=True)
 
 

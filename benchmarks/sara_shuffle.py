@@ -20,7 +20,10 @@ run and unpruned rows:
 `mini` keeps almost no position by its feature layer and `mini-positional` keeps it
 (README, "The model"): the difference is what a position-recovery attack needs. SARA's
 budgets are the paper's epochs and rates unless `--sara-option` overrides them; one torch
-thread. Writes results/sara_shuffle.json, .md (rendered from the JSON) and .png.
+thread. Writes results/sara_shuffle.json, .md (rendered from the JSON) and .png (`--name` for
+another setting beside the paper's: results/sara_shuffle_tuned is `--profiles mini-positional
+--probes linear --sara-option stage_inputs=chained --sara-option tpp_lr=1e-3 --sara-option
+tpp_epochs=40 --sara-option mae_lr=1e-3 --name sara_shuffle_tuned`).
 """
 
 import argparse
@@ -130,7 +133,7 @@ def plot(results: dict, examples: list[dict[str, torch.Tensor]], path: Path) -> 
     plt.close(fig)
 
 
-def render_report(results: dict, folder: Path | None = None) -> Path:
+def render_report(results: dict, folder: Path | None = None, name: str = NAME) -> Path:
     folder = folder or RESULTS
     s = results["settings"]
     intro = (
@@ -157,10 +160,11 @@ def render_report(results: dict, folder: Path | None = None) -> Path:
     )
     body = "\n\n".join([intro, "## Reconstruction of the victims' images", reconstruction,
                         "## Where SARA put the shuffled rows", positions,
-                        "## Patch position per row (held-out images)", probes, f"![SSIM, probes and examples]({NAME}.png)",
+                        "## Patch position per row (held-out images)", probes, f"![SSIM, probes and examples]({name}.png)",
                         f"Load while measuring: {results['load'] or 'not recorded'}."])
-    return write_markdown(NAME, "SARA against shuffled rows, and the position they carry", body,
-                          results.get("provenance"), command=COMMAND, folder=folder)
+    return write_markdown(name, "SARA against shuffled rows, and the position they carry", body,
+                          results.get("provenance"), command=COMMAND if name == NAME else f"{COMMAND} --name {name}",
+                          folder=folder)
 
 
 def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -194,11 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", default="", help="what else ran on the machine (kept in the JSON)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results folder")
+    parser.add_argument("--name", default=NAME, help="the results' file names (another setting beside the paper's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     args = parser.parse_args(argv)
     if args.report:
-        print(f"wrote {render_report(read_json(NAME, args.out), args.out)}")
+        print(f"wrote {render_report(read_json(args.name, args.out), args.out, args.name)}")
         return
     check_arguments(args, parser)
     torch.set_num_threads(1)
@@ -211,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         measured, images = measure_profile(profile, args)
         results["profiles"].append(measured)
         examples.append(images)
-    write_json(NAME, results, args.out)
-    plot(results, examples, args.out / f"{NAME}.png")
-    print(render_report(read_json(NAME, args.out), args.out).read_text())
+    write_json(args.name, results, args.out)
+    plot(results, examples, args.out / f"{args.name}.png")
+    print(render_report(read_json(args.name, args.out), args.out, args.name).read_text())
 
 
 if __name__ == "__main__":

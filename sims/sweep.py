@@ -481,8 +481,10 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
                 if attack_class(plan.attack).fit_reads_run:
                     _replay_as(plan, point, plan.attack, options)
                 else:
-                    # Fitted once per label (its own options) and public setting.
-                    key = (plan.name, public_setting(point.config))
+                    # Fitted once per label (its own options) and public setting (with the run's
+                    # defenses only for an attack that fits to them).
+                    adapts = attack_class(plan.attack).fit_adapts_to_defenses(plan.options)
+                    key = (plan.name, public_setting(point.config, defenses=adapts))
                     if key not in fitted:
                         fitted[key] = fit_for_run(point.folder, plan.attack, options=options)
                     _replay_as(plan, point, fitted[key])

@@ -8,7 +8,8 @@ import torch
 from attacks import MissingObservationError, Recorder, Recording
 from attacks.cli import main
 from attacks.knowledge import split_packed, visual_rows
-from attacks.replay import knowledge_for_run, replay
+from attacks.base import attack_class
+from attacks.replay import knowledge_for_run, public_setting, replay
 from attacks.truth import RunTruth
 from clients.app import app as client_app
 from sims.inprocess import InProcessGrid
@@ -81,3 +82,17 @@ def test_the_truth_of_a_pruned_run_gives_the_patches_each_client_sent(edge, tmp_
             rebuilt = visual_rows(knowledge.model, stacked, knowledge.prefix_ids, knowledge.first_cut, chosen)
             same = all(torch.allclose(a, b.float(), atol=1e-5) for a, b in zip(rebuilt, sent, strict=True))
             assert same == expected
+
+
+def test_a_plain_attack_is_fitted_once_across_defenses_an_adaptive_one_per_defense_setting():
+    """What the sweep keys a fitted attack by: a plain attacker's fit does not depend on the run's
+    defenses, an adaptive one's does."""
+    plain = load_config({"output.name": "plain", "model.profile": "tiny", "privacy.defenses": ""})
+    noisy = load_config({"output.name": "noisy", "model.profile": "tiny", "privacy.defenses": "noise",
+                         "privacy.noise.variance": 0.1})
+    assert public_setting(plain, defenses=False) == public_setting(noisy, defenses=False)
+    assert public_setting(plain) != public_setting(noisy)
+    for name in ("fora", "sara"):
+        assert not attack_class(name).fit_adapts_to_defenses({})
+        assert attack_class(name).fit_adapts_to_defenses({"adaptive": True})
+    assert not attack_class("actinv").fit_adapts_to_defenses({"mask_zeros": True})
