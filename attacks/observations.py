@@ -74,8 +74,11 @@ class VisualSpans:
             raise RuntimeError("VisualSpans.fit must run before count (the run prunes: k_b is unknown)")
         prefix = self.knowledge.prefix_ids.numel()
         body = sample_rows[prefix:].float().cpu().numpy()
-        log_visual = self.classifier.predict_log_proba(body)[:, list(self.classifier.classes_).index(True)]
-        log_text = np.log1p(-np.exp(np.minimum(log_visual, -1e-12)))
+        # log p(visual) and log p(text) from the logit, as log-sigmoids: finite however sure the
+        # classifier is (log of its rounded probabilities would be -inf).
+        logit = self.classifier.decision_function(body)
+        logit = logit if bool(self.classifier.classes_[1]) else -logit
+        log_visual, log_text = -np.logaddexp(0.0, -logit), -np.logaddexp(0.0, logit)
         # Score of "the first k rows are visual": prefix sums of log p(visual) plus suffix sums of log p(text).
         visual_prefix = np.concatenate([[0.0], np.cumsum(log_visual)])
         text_suffix = np.concatenate([np.cumsum(log_text[::-1])[::-1], [0.0]])
