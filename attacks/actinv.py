@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed
 from attacks.metrics import text_metrics
-from attacks.observations import VisualSpans, pruned
+from attacks.observations import VisualSpans, fewer_visual_rows
 from attacks.recording import Recording
 from training import protocol
 from vlm.segments import (
@@ -195,7 +195,7 @@ class ActInv(Attack):
         kind = recording.first_cut_kind(attack=self.name)
         entries = recording.require(kind, attack=self.name)
         entries = entries[: o.max_transfers] if o.max_transfers else entries
-        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
         prefix = k.prefix_ids.numel()
         recovered, questions, true_text, true_questions = [], [], [], []
         for entry in tqdm(entries, desc="ActInv transfers", disable=not o.progress):

@@ -41,7 +41,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, score_images, visual_observations
+from attacks.observations import VisualSpans, fewer_visual_rows, score_images, visual_observations
 from attacks.recording import Recording
 from vqa import VQASample
 
@@ -176,7 +176,7 @@ class FORA(AdaptiveAttack):
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge
         self.resolve_defenses(recording)
-        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         images = self.reconstruct([obs.rows for obs in observations])
         result = AttackResult(

@@ -42,7 +42,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, score_images, visual_observations
+from attacks.observations import VisualSpans, fewer_visual_rows, score_images, visual_observations
 from attacks.recording import Recording
 from attacks.context import ATTACK_FOLDER, ReplayContext
 from config import SimConfig
@@ -296,7 +296,7 @@ class FSHA(Attack):
         k, o = self.knowledge, self.options
         if o.adaptive and self.adapted_to is None:
             self.adapt_decoder(defenses_for_run(self.name, self.run_config, recording))
-        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         if o.last_rounds:
             last = max(obs.entry.round for obs in observations)

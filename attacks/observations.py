@@ -6,8 +6,9 @@ found by `VisualSpans`, a logistic regression the attacker fits on rows its publ
 front produces for auxiliary samples (visual vs text rows are easy to tell apart).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from attacks.knowledge import AttackerKnowledge, split_packed
 from attacks.marks import MarkReader, mark_readback
 from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.recording import RecordedTransfer, Recording
+from privacy import defense_class, parse_defense_names
 from training import protocol
 from vlm.segments import (
     merge_multimodal_inputs,
@@ -86,9 +88,14 @@ class VisualSpans:
         return int(np.argmax(scores)) + 1
 
 
-def pruned(recording: Recording) -> bool:
-    """Whether the recorded run may have sent fewer than N visual tokens (unknown runs: assume so)."""
-    return recording.config.get("pruning.policy", "unknown") not in UNPRUNED_POLICIES
+def fewer_visual_rows(config: Mapping[str, Any]) -> bool:
+    """Whether a run (its flat config) may send fewer than N visual rows per sample, so that the
+    server must find where each sample's end: it prunes, or an EDGE defense removes tokens (ToMe,
+    drop). A recording made outside a run (no config): assume so."""
+    if config.get("pruning.policy", "unknown") not in UNPRUNED_POLICIES:
+        return True
+    names = parse_defense_names(str(config.get("privacy.defenses") or ""))
+    return any(getattr(defense_class(name), "removes_tokens", False) for name in names)
 
 
 def visual_observations(

@@ -56,7 +56,7 @@ from attacks.networks import (
     seeded,
     spread_slots,
 )
-from attacks.observations import VisualSpans, pruned, score_images, visual_observations
+from attacks.observations import VisualSpans, fewer_visual_rows, score_images, visual_observations
 from attacks.recording import Recording
 from vqa import VQASample
 
@@ -238,7 +238,7 @@ class SARA(AdaptiveAttack):
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge
-        spans = VisualSpans(k, k.first_cut).fit(self.aux) if pruned(recording) else None
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         rows = [obs.rows for obs in observations]
         images, slots = self.reconstruct(rows)

@@ -28,6 +28,7 @@ class TokenDrop(EdgeDefense):
     name = "drop"
     Options = DropOptions
     random = True
+    removes_tokens = True
 
     def check(self, patches: int, blocks: int) -> None:
         if patches - blocks * self.options.r < 1:

@@ -61,6 +61,8 @@ class EdgeDefense(Defense):
     reorders = False
     # Whether `apply` reads `EdgeTokens.keys` (only then does the edge compute them).
     reads_keys = False
+    # Whether it leaves fewer tokens than patches (then a sample's visual row count is not N).
+    removes_tokens = False
 
     @abstractmethod
     def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:

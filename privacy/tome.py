@@ -58,6 +58,7 @@ class TokenMerge(EdgeDefense):
     name = "tome"
     Options = ToMeOptions
     reads_keys = True
+    removes_tokens = True
 
     def check(self, patches: int, blocks: int) -> None:
         # Later blocks merge at most half the tokens left (set A's size), as ToMe's own code caps r.

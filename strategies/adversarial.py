@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from attacks.fsha import FSHA, STATE_FILE
-from attacks.observations import UNPRUNED_POLICIES, VisualSpans
+from attacks.observations import VisualSpans, fewer_visual_rows
 from attacks.recording import Recorder
 from attacks.context import ATTACK_FOLDER
 from attacks.replay import knowledge_for_run
@@ -61,10 +61,10 @@ class FSHAHijack:
         if not pretrain:
             options["pretrain_steps"] = 0
         self.attack = FSHA(knowledge, **options).fit(aux)
-        # Under pruning each sample's visual-token count is unknown to the server; it tells
-        # the visual rows from the text rows as the replayed attack does.
-        pruning = config.pruning.policy not in UNPRUNED_POLICIES
-        self.spans = VisualSpans(knowledge, knowledge.first_cut).fit(aux) if pruning else None
+        # Under pruning (or an edge that removes tokens) each sample's visual-token count is
+        # unknown to the server; it tells the visual rows from the text rows as the replayed attack does.
+        uncounted = fewer_visual_rows(config.to_flat())
+        self.spans = VisualSpans(knowledge, knowledge.first_cut).fit(aux) if uncounted else None
         self.path = folder.path / ATTACK_FOLDER / STATE_FILE
 
     def first_cut_gradient(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

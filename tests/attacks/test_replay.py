@@ -8,6 +8,7 @@ import torch
 from attacks import MissingObservationError, Recorder, Recording
 from attacks.cli import main
 from attacks.knowledge import split_packed, visual_rows
+from attacks.observations import fewer_visual_rows
 from attacks.base import attack_class
 from attacks.replay import knowledge_for_run, public_setting, replay
 from attacks.truth import RunTruth
@@ -96,3 +97,17 @@ def test_a_plain_attack_is_fitted_once_across_defenses_an_adaptive_one_per_defen
         assert not attack_class(name).fit_adapts_to_defenses({})
         assert attack_class(name).fit_adapts_to_defenses({"adaptive": True})
     assert not attack_class("actinv").fit_adapts_to_defenses({"mask_zeros": True})
+
+
+@pytest.mark.parametrize("config, fewer", [
+    ({"pruning.policy": "off", "privacy.defenses": ""}, False),
+    ({"pruning.policy": "off", "privacy.defenses": "shuffle,positionless"}, False),
+    ({"pruning.policy": "off", "privacy.defenses": "noise,drop"}, True),
+    ({"pruning.policy": "off", "privacy.defenses": "tome"}, True),
+    ({"pruning.policy": "dtp", "privacy.defenses": ""}, True),
+    ({}, True),
+])
+def test_the_server_counts_each_sample_s_visual_rows_when_pruning_or_the_edge_removes_tokens(config, fewer):
+    """An unpruned run whose edge drops or merges tokens sends fewer than N visual rows: the attacks
+    (and a hijacking server) must locate them as under pruning, not take the first N rows."""
+    assert fewer_visual_rows(config) is fewer
