@@ -149,13 +149,13 @@ class AttackerEdge:
                 sent.append(kept[present[kept]])
         return torch.cat(grids), sent
 
-    def kept_share(self, pixel_values: torch.Tensor) -> float:
+    def kept_share(self, images: Sequence[VQASample]) -> float:
         """The share of the patches' tokens the edge leaves (what drops and merges remove), measured
         once, on these images: the same for every image, since each operation removes r per block."""
         if self.share is None:
             n = self.knowledge.num_patches
-            _, sent = self.sends(pixel_values, [torch.arange(n)] * pixel_values.shape[0])
-            self.share = sum(s.numel() for s in sent) / (n * pixel_values.shape[0])
+            _, sent = self.sends(self.knowledge.pixel_values(list(images)), [torch.arange(n)] * len(images))
+            self.share = sum(s.numel() for s in sent) / (n * len(images))
         return self.share
 
 

@@ -100,7 +100,7 @@ class FORA(AdaptiveAttack):
         """Random in-order keep sets whose sizes follow the observed counts (before the edge's drops)."""
         n = self.knowledge.num_patches
         chosen = torch.randint(len(counts), (size,), generator=generator)
-        share = 1.0 if self.edge is None else self.edge.kept_share(self.knowledge.pixel_values(self.aux[:8]))
+        share = 1.0 if self.edge is None else self.edge.kept_share(self.aux[:8])
         return [torch.randperm(n, generator=generator)[: min(n, round(counts[int(i)] / share))].sort().values
                 for i in chosen]
 
