@@ -324,8 +324,9 @@ def defense_table(results: Results) -> pd.DataFrame:
     if attacks.empty:
         return pd.DataFrame()
     rows = []
+    # dropna=False: a run folder whose config names no profile still has its row.
     for (paradigm, profile, policy, setting), group in attacks.groupby(["paradigm", "profile", "policy",
-                                                                         "defense_setting"]):
+                                                                         "defense_setting"], dropna=False):
         rows.append(_headlines(group, {"paradigm": paradigm, "profile": profile, "policy": policy,
                                        "defense_setting": setting, "defenses": group["defenses"].iloc[0],
                                        "test_accuracy": group["test_accuracy"].mean()}))
@@ -345,7 +346,7 @@ def image_attack_table(results: Results) -> pd.DataFrame:
         return pd.DataFrame()
     keys = ["paradigm", "profile", "policy", "threat", "defense_setting"]
     rows = []
-    for values, group in attacks[attacks["base_attack"].isin(IMAGE_ATTACKS)].groupby(keys):
+    for values, group in attacks[attacks["base_attack"].isin(IMAGE_ATTACKS)].groupby(keys, dropna=False):
         row = {**dict(zip(keys, values, strict=True)), "test_accuracy": group["test_accuracy"].mean(),
                "kept_tokens_mean": group["kept_tokens_mean"].mean()}
         for _, result in group.iterrows():
