@@ -3,6 +3,10 @@
 Handlers only translate messages: decode what arrived through the wire (which checks
 names, shapes, dtypes and finiteness), call the paradigm's client logic, encode the
 reply. An exception becomes Flower's error reply, whose reason the server reports.
+
+FL's handlers take and return the adapters as fp32 numpy arrays; `fl_wire_mod`, the
+outermost mod on them, decodes what arrived and encodes the reply, so the mods inside it
+(Flower's DP mods) see the adapters as Flower's own mods expect them.
 """
 
 from collections.abc import Callable
@@ -10,6 +14,7 @@ from collections.abc import Callable
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
 
 from clients.local import evaluate_local, train_steps
 from clients.runtime import ClientRuntime, client_runtime
@@ -19,18 +24,18 @@ from clients.usl import USLClient
 from training import protocol
 from training.model import make_optimizer
 from vlm.lora import load_owner_state_dict, owner_state_dict
-from wire import Wire
+from wire import Wire, numpy_record, numpy_tensors
 
 app = ClientApp()
 
 _SPLIT_CLIENTS = {"sl": SLClient, "usl": USLClient}
 
 
-def _handles(message_type: str) -> Callable:
+def _handles(message_type: str, mods: list | None = None) -> Callable:
     """The ClientApp decorator registering a handler for a protocol message type ("train.cl",
-    or a bare "train" for Flower's default action)."""
+    or a bare "train" for Flower's default action), inside `mods` (outermost first)."""
     category, _, action = message_type.partition(".")
-    return getattr(app, category)(*([action] if action else []))
+    return getattr(app, category)(*([action] if action else []), mods=mods)
 
 
 def _reply(message: Message, wire: Wire, result: dict) -> Message:
@@ -131,41 +136,58 @@ def local_evaluate(message: Message, context: Context) -> Message:
     return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": evaluate_local(rt)})
 
 
-def _load_global(message: Message, rt: ClientRuntime, wire: Wire) -> None:
-    """FL: the server's adapters, checked against this model's own adapter set."""
-    segment = rt.owned["all"]
-    own = owner_state_dict(rt.model, segment, rt.adapter)
+def fl_wire_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """FL's wire on the client: the server's adapters decoded (checked against this model's own
+    adapter set) to fp32 numpy for the mods and handler inside, their reply's encoded."""
+    rt = client_runtime(context)
+    wire = Wire(rt.config.wire.dtype)
+    own = owner_state_dict(rt.model, rt.owned["all"], rt.adapter)
     kind = protocol.CARRIES[message.metadata.message_type]
     expected = kind.expectation(adapter_shapes={key: value.shape for key, value in own.items()})
-    arrays = wire.decode(message.content.array_records[protocol.ARRAYS], expected, what=kind.name)
-    dtype = next(iter(own.values())).dtype
+    received = message.content.array_records[protocol.ARRAYS]
+    arrays = wire.decode(received, expected, what=kind.name)
+    # The decoded adapters stand in for the received bytes while the inner mods and handler run
+    # (they reply to this very message); the message leaves as it arrived.
+    message.content.array_records[protocol.ARRAYS] = numpy_record(arrays)
+    try:
+        reply = call_next(message, context)
+    finally:
+        message.content.array_records[protocol.ARRAYS] = received
+    if not reply.has_error() and protocol.ARRAYS in reply.content.array_records:
+        reply.content.array_records[protocol.ARRAYS] = wire.encode(numpy_tensors(reply.content.array_records[protocol.ARRAYS]))
+    return reply
+
+
+def _load_global(message: Message, rt: ClientRuntime) -> None:
+    """FL: the server's adapters (fl_wire_mod decoded and checked them)."""
+    segment = rt.owned["all"]
+    dtype = next(iter(owner_state_dict(rt.model, segment, rt.adapter).values())).dtype
+    arrays = numpy_tensors(message.content.array_records[protocol.ARRAYS])
     load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()}, rt.adapter)
 
 
-@_handles(protocol.FL_TRAIN)
+@_handles(protocol.FL_TRAIN, mods=[fl_wire_mod])
 def fl_train(message: Message, context: Context) -> Message:
     """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
     rt = client_runtime(context)
-    wire = Wire(rt.config.wire.dtype)
-    _load_global(message, rt, wire)
+    _load_global(message, rt)
     optimizer = make_optimizer(rt.parameters("all"), rt.config)
     # The batch order continues across rounds without any state surviving on the client.
     rt.step = (int(_config(message)["round"]) - 1) * rt.config.train.steps_per_round
     metrics = train_steps(rt, optimizer, rt.config.train.steps_per_round, 1)
     content = RecordDict(
         {
-            protocol.ARRAYS: wire.encode(owner_state_dict(rt.model, rt.owned["all"], rt.adapter)),
+            protocol.ARRAYS: numpy_record(owner_state_dict(rt.model, rt.owned["all"], rt.adapter)),
             protocol.METRICS: MetricRecord(metrics),
         }
     )
     return Message(content=content, reply_to=message)
 
 
-@_handles(protocol.FL_EVALUATE)
+@_handles(protocol.FL_EVALUATE, mods=[fl_wire_mod])
 def fl_evaluate(message: Message, context: Context) -> Message:
     rt = client_runtime(context)
-    wire = Wire(rt.config.wire.dtype)
-    _load_global(message, rt, wire)
+    _load_global(message, rt)
     metrics = evaluate_local(rt)
     metrics["num-examples"] = metrics["count"]
     metrics["accuracy"] = metrics["correct"] / max(metrics["count"], 1.0)

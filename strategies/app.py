@@ -19,11 +19,11 @@ from strategies.adversarial import FSHAHijack, subscribe_recorder
 from strategies.base import RoundStrategy, federation_partitions
 from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
 from strategies.cl import CLStrategy
-from strategies.fl import WireFedAvg, to_numpy_record
+from strategies.fl import WireFedAvg, WireGrid
 from strategies.split import SLStrategy, USLStrategy
 from training.model import SERVER, load_party_model
 from vlm.lora import owner_state_dict
-from wire import Transfer, Wire
+from wire import Transfer, Wire, numpy_record
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
             )
             if first_round <= num_rounds:
                 strategy.start(
-                    grid=grid,
-                    initial_arrays=to_numpy_record(initial),
+                    grid=WireGrid(grid, strategy),
+                    initial_arrays=numpy_record(initial),
                     num_rounds=num_rounds - first_round + 1,
                     timeout=config.faults.timeout_s,
                     train_config=ConfigRecord(),

@@ -6,6 +6,12 @@ server received), a reply that is an error, arrives late or fails the wire's che
 is reported and left out while the rest are averaged, and each round ends in the
 run's callbacks. Rounds are numbered from the checkpoint a run resumed from.
 
+The wire sits between the strategy and the grid (`WireGrid`), as `clients.app`'s
+`fl_wire_mod` sits between the ClientApp and its handlers: the strategy composes and
+averages fp32 numpy arrays, as Flower's strategies and their wrappers expect, and the
+grid encodes what it sends and decodes and screens what comes back. So a wrapper
+strategy (Flower's DP wrappers) and a client mod see the adapters, never the wire's bytes.
+
 Flower samples and orders by its random node ids; here the clients of a round are
 drawn from the partitions with the run's seed and averaged in partition order, so the
 same config gives the same weights under any runtime and after a resume.
@@ -16,8 +22,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
@@ -27,11 +32,7 @@ from strategies.base import ClientFault, pruning_record
 from strategies.callbacks import RunCallback
 from training import protocol
 from vlm.profiles import get_profile
-from wire import Wire, WireError, serialized_size
-
-
-def to_numpy_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord({k: Array(v.detach().float().cpu().numpy()) for k, v in tensors.items()})
+from wire import Wire, WireError, numpy_record, numpy_tensors, serialized_size
 
 
 class WireFedAvg(FedAvg):
@@ -63,6 +64,8 @@ class WireFedAvg(FedAvg):
         self.pruned = PruningRecord(num_patches=self.num_patches)
         self.faults: list[dict[str, Any]] = []
         self.sent_to: list[int] = []
+        # The round and phase ("train", "evaluate") of the messages the grid carries now.
+        self.current: tuple[int, str] = (first_round, "train")
         self.started = time.perf_counter()
 
     def round_of(self, server_round: int) -> int:
@@ -76,14 +79,12 @@ class WireFedAvg(FedAvg):
         chosen = random.Random(f"fl-sample:{self.config.model.seed}:{round_}").sample(range(len(nodes)), size)
         return [nodes[i] for i in sorted(chosen)]
 
-    def _send(self, arrays: ArrayRecord, nodes: list[int], message_type: str, round_: int) -> list[Message]:
-        """One message per node with the adapters encoded under the wire's dtype policy."""
-        kind = protocol.CARRIES[message_type]
-        tensors = {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()}
-        content = RecordDict({protocol.ARRAYS: self.wire.encode(tensors), protocol.CONFIG: ConfigRecord({"round": round_})})
-        for node in nodes:
-            self.wire.sent(round_, node, content, kind=kind.name if kind.replayed else None, record_key=protocol.ARRAYS)
-        self.sent_to = list(nodes)
+    def _compose(self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], message_type: str,
+                 round_: int, phase: str) -> list[Message]:
+        """One message per node with the adapters (fp32; the grid encodes them) and the round,
+        beside what a wrapper put in `config` (a DP wrapper's clipping norm)."""
+        self.sent_to, self.current = list(nodes), (round_, phase)
+        content = RecordDict({protocol.ARRAYS: arrays, protocol.CONFIG: ConfigRecord({**config, "round": round_})})
         return [Message(content=content, message_type=message_type, dst_node_id=node) for node in nodes]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
@@ -91,7 +92,35 @@ class WireFedAvg(FedAvg):
         self.record, self.faults = {}, []
         self.pruned = PruningRecord(num_patches=self.num_patches)
         round_ = self.round_of(server_round)
-        return self._send(arrays, self.sampled_nodes(round_), protocol.FL_TRAIN, round_)
+        return self._compose(arrays, config, self.sampled_nodes(round_), protocol.FL_TRAIN, round_, "train")
+
+    # -- the wire, applied by WireGrid --------------------------------------------------------
+    def wire_out(self, messages: list[Message]) -> list[Message]:
+        """The messages with their adapters encoded under the wire's dtype policy, counted and
+        shown to the observers of what the server sends."""
+        round_, _ = self.current
+        out, encoded = [], {}
+        for message in messages:
+            kind = protocol.CARRIES[message.metadata.message_type]
+            arrays = message.content.array_records[protocol.ARRAYS]
+            # The round's messages share one ArrayRecord: encoded once.
+            if id(arrays) not in encoded:
+                encoded[id(arrays)] = self.wire.encode(numpy_tensors(arrays))
+            content = RecordDict({**message.content.config_records, protocol.ARRAYS: encoded[id(arrays)]})
+            node = message.metadata.dst_node_id
+            self.wire.sent(round_, node, content, kind=kind.name if kind.replayed else None, record_key=protocol.ARRAYS)
+            out.append(Message(content=content, message_type=message.metadata.message_type, dst_node_id=node))
+        return out
+
+    def wire_in(self, replies: Iterable[Message]) -> list[Message]:
+        """The replies that may be folded in, decoded (training) or counted (evaluation)."""
+        round_, phase = self.current
+        if phase == "train":
+            return self._screen(replies, round_, phase, decode=True)
+        kept = self._screen(replies, round_, phase, decode=False)
+        for reply in kept:
+            self.wire.ledger.add(round_, reply.metadata.src_node_id, "up", serialized_size(reply.content))
+        return kept
 
     def _screen(self, replies: Iterable[Message], round_: int, phase: str, decode: bool) -> list[Message]:
         """Replies that may be folded in, in partition order (the average's summation order);
@@ -123,7 +152,7 @@ class WireFedAvg(FedAvg):
                 continue
             self.pruned = self.pruned.merge(pruned)
             # FedAvg averages numpy arrays: the accepted update, decoded to fp32.
-            content = RecordDict({protocol.ARRAYS: to_numpy_record(tensors), protocol.METRICS: metrics})
+            content = RecordDict({protocol.ARRAYS: numpy_record(tensors), protocol.METRICS: metrics})
             kept.append(Message(content=content, reply_to=reply))
         return kept
 
@@ -132,8 +161,9 @@ class WireFedAvg(FedAvg):
         self.faults.append({"client": node, "phase": phase, "reason": reason[-2000:], "consequence": consequence})
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """FedAvg over the replies the grid accepted (WireGrid: decoded and screened)."""
         round_ = self.round_of(server_round)
-        kept = self._screen(replies, round_, "train", decode=True)
+        kept = list(replies)
         if not kept:
             raise RuntimeError(f"no client update could be averaged in round {round_}: {self.faults}")
         arrays, metrics = super().aggregate_train(server_round, kept)
@@ -146,15 +176,13 @@ class WireFedAvg(FedAvg):
         round_ = self.round_of(server_round)
         every = self.config.eval.every
         if every == 0 or (round_ % every and round_ != self.num_rounds):
-            self.sent_to = []
+            self.sent_to, self.current = [], (round_, "evaluate")
             return []
-        return self._send(arrays, list(self.partitions), protocol.FL_EVALUATE, round_)
+        return self._compose(arrays, config, list(self.partitions), protocol.FL_EVALUATE, round_, "evaluate")
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]):
         round_ = self.round_of(server_round)
-        kept = self._screen(replies, round_, "evaluate", decode=False)
-        for reply in kept:
-            self.wire.ledger.add(round_, reply.metadata.src_node_id, "up", serialized_size(reply.content))
+        kept = list(replies)
         correct = sum(r.content.metric_records[protocol.METRICS]["correct"] for r in kept)
         count = sum(r.content.metric_records[protocol.METRICS]["count"] for r in kept)
         if self.sent_to:
@@ -166,7 +194,38 @@ class WireFedAvg(FedAvg):
             "round_trips_per_step": 1 / self.config.train.steps_per_round,
             "faults": self.faults, "wall_s": time.perf_counter() - self.started,
         })
-        state = {"arrays": {k: torch.from_numpy(a.numpy()) for k, a in self.arrays.items()}}
+        state = {"arrays": numpy_tensors(self.arrays)}
         for callback in self.callbacks:
             callback.on_round_end(round_, dict(self.record), state)
         return super().aggregate_evaluate(server_round, kept) if kept else None
+
+
+class WireGrid(Grid):
+    """The run's grid with FL's wire between it and the strategy (WireFedAvg.wire_out /
+    wire_in): the strategy, and any strategy wrapping it, sends and receives fp32 adapters."""
+
+    def __init__(self, grid: Grid, strategy: WireFedAvg) -> None:
+        self.grid, self.strategy = grid, strategy
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        sent = self.strategy.wire_out(list(messages))
+        return self.strategy.wire_in(self.grid.send_and_receive(sent, timeout=timeout) if sent else [])
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("FL's messages go through send_and_receive, where the wire encodes them")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("FL's replies come through send_and_receive, where the wire screens them")

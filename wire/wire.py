@@ -37,6 +37,17 @@ def serialized_size(obj: object) -> int:
     return len(obj.deflate()) + sum(serialized_size(child) for child in children.values())
 
 
+def numpy_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Tensors as fp32 numpy Arrays: what Flower's strategies and DP pieces compute on (FedAvg's
+    average, clipping, noise) on either side of the wire, which carries them in its own dtype."""
+    return ArrayRecord({name: Array(tensor.detach().float().cpu().numpy()) for name, tensor in tensors.items()})
+
+
+def numpy_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """The inverse of `numpy_record`."""
+    return {name: torch.from_numpy(array.numpy()) for name, array in record.items()}
+
+
 def pack_rows(hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T, D] states and their 2D mask -> the real tokens' rows [n, D] and per-sample lengths [B]."""
     return hidden[attention_mask.bool()], attention_mask.sum(-1).to(INDEX_DTYPE)
