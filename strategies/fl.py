@@ -167,12 +167,14 @@ class WireFedAvg(FedAvg):
         if not kept:
             raise RuntimeError(f"no client update could be averaged in round {round_}: {self.faults}")
         arrays, metrics = super().aggregate_train(server_round, kept)
-        self.arrays = arrays
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
                             "clients_averaged": len(kept), **self.pruned.as_round_metrics()})
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        # The global model the loop goes on with (after any wrapper's noise): what the round's
+        # checkpoint keeps.
+        self.arrays = arrays
         round_ = self.round_of(server_round)
         every = self.config.eval.every
         if every == 0 or (round_ % every and round_ != self.num_rounds):
