@@ -72,6 +72,8 @@ def write_markdown(
         "",
         f"- commit: `{stamp.get('commit', 'not recorded')}`",
         f"- mini recipe: `{stamp.get('mini_recipe', 'not recorded')}`",
+        *([f"- offline profiles' recipes: " + ", ".join(f"{name} `{value}`" for name, value in stamp["recipes"].items())]
+          if stamp.get("recipes") else []),
         f"- measured: {stamp.get('measured', 'not recorded')} ({stamp.get('machine', 'machine not recorded')})",
         "",
         body.rstrip(),

@@ -25,15 +25,17 @@ def _git(*args: str) -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """Commit (with '+dirty' for uncommitted changes to tracked files), mini recipe, time, machine."""
-    from vlm.mini.recipe import MiniRecipe
+    """Commit (with '+dirty' for uncommitted changes to tracked files), the mini recipe and every
+    offline profile's (mini-positional's differs by its position loss), time, machine."""
+    from vlm.mini.recipe import RECIPES
 
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     return {
         "commit": commit,
-        "mini_recipe": MiniRecipe().fingerprint(),
+        "mini_recipe": RECIPES["mini"].fingerprint(),
+        "recipes": {name: recipe.fingerprint() for name, recipe in RECIPES.items()},
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
     }

@@ -38,11 +38,15 @@ def test_a_result_without_provenance_says_so(tmp_path):
     assert "- mini recipe: `not recorded`" in text
 
 
-def test_provenance_names_the_commit_and_the_current_recipe():
+def test_provenance_names_the_commit_and_the_current_recipes():
     from vlm.mini import MiniRecipe
+    from vlm.mini.recipe import RECIPES
 
     stamp = report.provenance()
     assert stamp["mini_recipe"] == MiniRecipe().fingerprint()
+    # mini-positional's recipe is stamped too, and differs from mini's (its position loss).
+    assert stamp["recipes"] == {name: recipe.fingerprint() for name, recipe in RECIPES.items()}
+    assert stamp["recipes"]["mini-positional"] != stamp["mini_recipe"]
     assert stamp["commit"] and stamp["measured"] and stamp["machine"]
 
 
