@@ -80,6 +80,8 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
                   else starts[0]["measured"]}
     provenance.pop("points", None), provenance.pop("runner", None)
     return {"provenance": provenance, "starts": len(starts), "sweep": Path(stamp["file"]).name,
+            # Every point a start of the sweep named: what a finished sweep holds.
+            "points": len({point for start in starts for point in start.get("points", [])}),
             "runs": len(results.runs), "finished": int((results.runs["state"] == "finished").sum()),
             "seconds": sweep_seconds(folder), "tables": tables}
 
@@ -91,7 +93,8 @@ def _f(value: Any, spec: str) -> str:
 def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "paradigms") -> Path:
     tables = data["tables"]
     minutes = data["seconds"]["total_s"] / 60
-    lines = [f"Sweep `{data['sweep']}`: {data['finished']} of {data['runs']} runs finished; runs and attacks "
+    planned = f" (its starts named {data['points']} points)" if data.get("points", data["runs"]) > data["runs"] else ""
+    lines = [f"Sweep `{data['sweep']}`: {data['finished']} of {data['runs']} runs finished{planned}; runs and attacks "
              f"took {minutes:.0f} minutes in all (sum of the points' seconds, {data['starts']} start(s)). "
              "The figures are in `notebooks/results.ipynb`."]
     if data.get("load"):
