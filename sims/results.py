@@ -34,7 +34,8 @@ from sklearn.metrics import roc_curve
 
 from attacks.context import ATTACK_FOLDER
 from attacks.metrics import PURI_LAMBDA, puri
-from privacy import defense_class, parse_defense_names
+from privacy import EDGE, defense_class, parse_defense_names
+from privacy import defense_names as registered_defenses
 
 # Settings every table carries, from the run's resolved config.
 SETTINGS = {
@@ -635,7 +636,8 @@ def edge_claims(results: Results, paradigm: str = "usl", profile: str | None = N
         return "—" if value is None or pd.isna(value) else format(value, spec)
 
     attacks = results.attacks
-    edge = {"shuffle", "tome", "drop", "positionless"}
+    # The registered defenses that act inside the vision tower (privacy.edge).
+    edge = {name for name in registered_defenses() if defense_class(name).stage == EDGE}
     if not attacks.empty:
         attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")]
         defended = attacks[attacks["defenses"].map(lambda d: bool(set(str(d).split("+")) & edge))]
