@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training import protocol
-from training.defenses import describe_defenses
+from training.defenses import describe_defenses, describe_dp
 from wire.wire import DIRECTIONS, Transfer
 
 FORMAT_VERSION = 1
@@ -122,7 +122,7 @@ class Recorder:
             return cls(
                 Path(run_folder.path) / RECORDING_FOLDER,
                 committed_round=run_folder.committed_round(),
-                header={"config": config.to_flat(), "defenses": describe_defenses(config)},
+                header={"config": config.to_flat(), "defenses": describe_defenses(config), "dp": describe_dp(config)},
                 **cap,
             )
 

@@ -6,7 +6,8 @@ reply. An exception becomes Flower's error reply, whose reason the server report
 
 FL's handlers take and return the adapters as fp32 numpy arrays; `fl_wire_mod`, the
 outermost mod on them, decodes what arrived and encodes the reply, so the mods inside it
-(Flower's DP mods) see the adapters as Flower's own mods expect them.
+(Flower's DP mods, which `fl_dp_mod` applies as privacy.dp.mode says) see the adapters as
+Flower's own mods expect them.
 """
 
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable
 
 from clients.local import evaluate_local, train_steps
@@ -21,6 +23,8 @@ from clients.runtime import ClientRuntime, client_runtime
 from clients.sl import SLClient
 from clients.split import SplitClient
 from clients.usl import USLClient
+from config.schema import dp_federation
+from privacy.dp import CENTRAL_CLIENT_CLIPPING, LOCAL, local_dp_epsilon, noise_multiplier, seed_numpy
 from training import protocol
 from training.model import make_optimizer
 from vlm.lora import load_owner_state_dict, owner_state_dict
@@ -158,6 +162,24 @@ def fl_wire_mod(message: Message, context: Context, call_next: ClientAppCallable
     return reply
 
 
+def fl_dp_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """The client's part of DP-FedAvg (privacy.dp.mode), by Flower's own mods: client-side clipping
+    clips the update to the norm the server's wrapper sent; local DP clips it to privacy.dp.clip
+    and adds noise of std z · clip before it leaves, drawn from numpy's generator seeded by
+    (privacy.seed, partition, round) so a rerun sends the same update."""
+    rt = client_runtime(context)
+    options = rt.config.privacy.dp
+    if options.mode not in (CENTRAL_CLIENT_CLIPPING, LOCAL):
+        return call_next(message, context)
+    if options.mode == CENTRAL_CLIENT_CLIPPING:
+        return fixedclipping_mod(message, context, call_next)
+    z = noise_multiplier(options, dp_federation(rt.config))
+    partition = int(context.node_config.get(protocol.PARTITION_ID, 0))
+    seed_numpy("local-dp", rt.config.privacy.seed, partition, int(_config(message)["round"]))
+    local_dp = LocalDpMod(options.clip, options.clip, local_dp_epsilon(z, options.delta), options.delta)
+    return local_dp(message, context, call_next)
+
+
 def _load_global(message: Message, rt: ClientRuntime) -> None:
     """FL: the server's adapters (fl_wire_mod decoded and checked them)."""
     segment = rt.owned["all"]
@@ -166,7 +188,7 @@ def _load_global(message: Message, rt: ClientRuntime) -> None:
     load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()}, rt.adapter)
 
 
-@_handles(protocol.FL_TRAIN, mods=[fl_wire_mod])
+@_handles(protocol.FL_TRAIN, mods=[fl_wire_mod, fl_dp_mod])
 def fl_train(message: Message, context: Context) -> Message:
     """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
     rt = client_runtime(context)

@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from privacy import EDGE, STAGES, OptionError, defense_class, defense_names, parse_defense_names
+from privacy.dp import PARADIGMS as DP_PARADIGMS, DPOptions, Federation, noise_multiplier
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names, get_adapter
@@ -86,6 +87,11 @@ class ClientsConfig:
     # FL only: share of clients sampled per round.
     fraction_train: float = 1.0
 
+    @property
+    def sampled(self) -> int:
+        """The clients an FL round trains: `fraction_train` of them, at least one."""
+        return max(1, int(self.count * self.fraction_train))
+
 
 @dataclass
 class TrainConfig:
@@ -133,10 +139,11 @@ class PruningConfig:
 # Defenses at the cut (privacy/): `defenses` names the active ones in order, comma-separated
 # ("noise,sparsify"; "": none); `privacy.<name>.<option>` sets each registered defense's
 # options (its Options dataclass owns the defaults); `seed` seeds their random draws, which
-# are also keyed by client, round and step.
+# are also keyed by client, round and step. `privacy.dp.<option>`: differential privacy for
+# FedAvg with its budget (privacy.dp), the same seed keying its noise.
 PrivacyConfig = make_dataclass(
     "PrivacyConfig",
-    [("defenses", str, field(default="")), ("seed", int, field(default=0))]
+    [("defenses", str, field(default="")), ("seed", int, field(default=0)), ("dp", DPOptions, field(default_factory=DPOptions))]
     + [(name, defense_class(name).Options, field(default_factory=defense_class(name).Options)) for name in defense_names()],
 )
 
@@ -354,6 +361,7 @@ def _validate_privacy(config: SimConfig) -> None:
             getattr(config.privacy, name).validate()
         except OptionError as error:
             raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
+    _validate_dp(config)
     # The active EDGE defenses against the profile's tower, before it loads.
     profile = get_profile(config.model.profile)
     for name in names:
@@ -363,6 +371,24 @@ def _validate_privacy(config: SimConfig) -> None:
             defense_class(name)(getattr(config.privacy, name)).check(profile.num_patches, profile.vision_blocks)
         except OptionError as error:
             raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
+
+
+def dp_federation(config: SimConfig) -> Federation:
+    return Federation(clients=config.clients.count, sampled=config.clients.sampled, rounds=config.train.rounds)
+
+
+def _validate_dp(config: SimConfig) -> None:
+    """privacy.dp's options, then what they promise against this run: its paradigm, its clients
+    (delta) and its rounds (a target epsilon is calibrated here, before anything loads)."""
+    options = config.privacy.dp
+    try:
+        options.validate()
+        if options.active and config.paradigm not in DP_PARADIGMS:
+            raise OptionError("mode", options.mode, f"off for paradigm {config.paradigm} (DP-FedAvg protects FedAvg "
+                              f"updates: paradigm {', '.join(DP_PARADIGMS)})")
+        noise_multiplier(options, dp_federation(config))
+    except OptionError as error:
+        raise ConfigError(f"privacy.dp.{error.option}", error.value, error.allowed) from None
 
 
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:

@@ -73,8 +73,10 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
                 config, wire, {k: tuple(v.shape) for k, v in initial.items()}, partitions, callbacks, first_round,
                 num_rounds,
             )
+            if checkpoint is not None and strategy.dp:
+                strategy.dp.load_state_dict(checkpoint["dp"])
             if first_round <= num_rounds:
-                strategy.start(
+                strategy.outer.start(
                     grid=WireGrid(grid, strategy),
                     initial_arrays=numpy_record(initial),
                     num_rounds=num_rounds - first_round + 1,
@@ -87,8 +89,9 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
             if checkpoint is not None:
                 strategy.load_state_dict(checkpoint)
             strategy.run(grid, list(partitions), first_round, num_rounds)
+        spent = {"privacy_spent": strategy.dp.budget.spent()} if config.paradigm == "fl" and strategy.dp else {}
         folder.write_status(
-            "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started
+            "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started, **spent
         )
     except BaseException as error:
         folder.write_status("failed", **failure_details(error))

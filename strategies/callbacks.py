@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from config import RESUMABLE_KEYS, SimConfig
-from training.defenses import describe_defenses
+from training.defenses import describe_defenses, describe_dp
 from training.protocol import NODE_PARTITIONS_FILE
 
 
@@ -76,7 +76,7 @@ class RunFolder:
 
     def write_status(self, state: str, **details: Any) -> None:
         status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model,
-                  "defenses": describe_defenses(self.config), **details}
+                  "defenses": describe_defenses(self.config), "dp": describe_dp(self.config), **details}
         write_json_atomically(self.path / "status.json", status)
 
 
@@ -136,7 +136,12 @@ class StatusReporter:
         self.folder, self.num_rounds = folder, num_rounds
 
     def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
-        self.folder.write_status("running", round=round_, rounds=self.num_rounds)
+        self.folder.write_status("running", round=round_, rounds=self.num_rounds, **privacy_spent(metrics))
+
+
+def privacy_spent(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The budget a DP run has spent, from its round's metrics (privacy.dp.PrivacyBudget.spent)."""
+    return {"privacy_spent": {key: metrics[key] for key in metrics if key.startswith("dp_")}} if "dp_epsilon" in metrics else {}
 
 
 def failure_details(error: BaseException) -> dict[str, str]:

@@ -30,6 +30,7 @@ from pruning import PruningRecord
 from config import SimConfig
 from strategies.base import ClientFault, pruning_record
 from strategies.callbacks import RunCallback
+from strategies.dp import FederatedDP
 from training import protocol
 from vlm.profiles import get_profile
 from wire import Wire, WireError, numpy_record, numpy_tensors, serialized_size
@@ -67,6 +68,13 @@ class WireFedAvg(FedAvg):
         # The round and phase ("train", "evaluate") of the messages the grid carries now.
         self.current: tuple[int, str] = (first_round, "train")
         self.started = time.perf_counter()
+        # DP-FedAvg (privacy.dp): Flower's wrapper around this strategy, and the budget it spends.
+        self.dp = FederatedDP(config, self) if config.privacy.dp.active else None
+
+    @property
+    def outer(self) -> FedAvg:
+        """The strategy to start: this one, or the DP wrapper around it."""
+        return self.dp.outer if self.dp else self
 
     def round_of(self, server_round: int) -> int:
         return server_round + self.offset
@@ -116,7 +124,11 @@ class WireFedAvg(FedAvg):
         """The replies that may be folded in, decoded (training) or counted (evaluation)."""
         round_, phase = self.current
         if phase == "train":
-            return self._screen(replies, round_, phase, decode=True)
+            kept = self._screen(replies, round_, phase, decode=True)
+            if self.dp:
+                # Aggregation comes next, and with it the DP wrapper's noise.
+                self.dp.before_aggregation(round_)
+            return kept
         kept = self._screen(replies, round_, phase, decode=False)
         for reply in kept:
             self.wire.ledger.add(round_, reply.metadata.src_node_id, "up", serialized_size(reply.content))
@@ -169,6 +181,8 @@ class WireFedAvg(FedAvg):
         arrays, metrics = super().aggregate_train(server_round, kept)
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
                             "clients_averaged": len(kept), **self.pruned.as_round_metrics()})
+        if self.dp:
+            self.record.update(self.dp.release(len(kept), len(self.sent_to)))
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
@@ -197,6 +211,8 @@ class WireFedAvg(FedAvg):
             "faults": self.faults, "wall_s": time.perf_counter() - self.started,
         })
         state = {"arrays": numpy_tensors(self.arrays)}
+        if self.dp:
+            state["dp"] = self.dp.state_dict()
         for callback in self.callbacks:
             callback.on_round_end(round_, dict(self.record), state)
         return super().aggregate_evaluate(server_round, kept) if kept else None

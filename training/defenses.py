@@ -4,9 +4,11 @@ The client applies the chain (clients.split): ACTIVATION and LOSS defenses to ea
 activation it sends at the first cut (training and evaluation alike: the evaluation
 activations cross the same wire), GRADIENT defenses to the gradient a USL client
 returns at CB. `describe_defenses` is what status.json and the recording's header
-record of them.
+record of them; `describe_dp` what they record of the run's differential privacy
+(privacy.dp: Flower's mechanisms wrap the FL strategy and the ClientApp instead).
 """
 
+from dataclasses import asdict
 from typing import Any
 
 from config import SimConfig
@@ -20,3 +22,8 @@ def build_defenses(config: SimConfig) -> DefenseChain:
 
 def describe_defenses(config: SimConfig) -> list[dict[str, Any]]:
     return build_defenses(config).describe()
+
+
+def describe_dp(config: SimConfig) -> dict[str, Any] | None:
+    """privacy.dp's options when a mode is on (None: no differential privacy)."""
+    return asdict(config.privacy.dp) if config.privacy.dp.active else None

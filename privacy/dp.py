@@ -1,0 +1,222 @@
+"""Differential privacy with a guarantee for FedAvg: its options, the calibrated noise and the budget.
+
+The mechanisms are Flower's own: server-side fixed or adaptive clipping wrap the FL strategy
+(strategies.dp), client-side fixed clipping and local DP are client mods (clients.app). What
+they share lives here: the options (`privacy.dp.<option>`, checked before any model loads), the
+noise multiplier calibrated from a target (ε, δ) before the run, and the budget spent after
+each round, kept by Flower's RDP accountant (backed by Google's dp-accounting).
+
+What is accounted, and why that way:
+- The unit of privacy is a client (user-level DP): neighbouring federations differ by one
+  client's data (add or remove one). `delta` must then be below 1 / clients.count.
+- Each round is one Gaussian release of noise multiplier z (noise std / clipping norm, on the
+  sum of the round's clipped updates), composed over the rounds without amplification by
+  sampling: the round's clients are a fixed-size draw from a seeded generator
+  (strategies.fl.WireFedAvg.sampled_nodes), not the Poisson sample amplification assumes, and
+  no amplification is an upper bound for any sampling.
+- A round averaged over fewer clients than were sampled (a fault) has less noise per client:
+  its release is composed at z · kept / sampled.
+- Local DP noises each client's own update, so each client spends the per-round release; the
+  budget reported is that of a client that trains in every round (an upper bound for all).
+- Adaptive clipping spends part of z on the noisy count of clipped updates (Andrew et al.):
+  the update noise is z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2), and z is what the accountant composes.
+"""
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import dp_accounting
+import numpy as np
+from flwr.supercore.privacy_accounting import (
+    GaussianPrivacyEvent,
+    NeighboringRelation,
+    PrivacyConfig,
+    SamplingMethod,
+)
+from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+from privacy.base import OptionError
+
+OFF = "off"
+CENTRAL = "central"
+CENTRAL_ADAPTIVE = "central-adaptive"
+CENTRAL_CLIENT_CLIPPING = "central-client-clipping"
+LOCAL = "local"
+# Each mode: what it does, and whether the server (not the client) adds the noise.
+MODES = {
+    OFF: ("no differential privacy", False),
+    CENTRAL: ("the server clips each client's update to `clip` and noises their average", True),
+    CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True),
+    CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True),
+    LOCAL: ("each client clips its update to `clip` and noises it before it leaves", False),
+}
+# The paradigms whose exchange is a FedAvg update.
+PARADIGMS = ("fl",)
+# Noise multipliers tried while calibrating to a target epsilon: beyond the upper end the
+# updates are noise (std 1000× the clipping norm on their sum) and the target is refused.
+_CALIBRATION_RANGE = (1e-3, 1e3)
+
+
+@dataclass
+class DPOptions:
+    # off | central (server-side fixed clipping) | central-adaptive (server-side adaptive
+    # clipping) | central-client-clipping (clients clip, the server noises; the one central mode
+    # that works under secure aggregation) | local (each client clips and noises its update).
+    mode: str = OFF
+    # L2 bound of one client's update (its change to the adapters in a round); adaptive: the start.
+    clip: float = 1.0
+    # z: the noise's std over the clipping norm, on the sum of a round's updates (local: on each
+    # update). 0 with target_epsilon > 0: calibrated from the target before the run.
+    noise_multiplier: float = 0.0
+    # > 0: the (epsilon, delta) the whole run (train.rounds rounds) may spend; z is calibrated to it.
+    target_epsilon: float = 0.0
+    # The delta of the reported epsilon; below 1 / clients.count.
+    delta: float = 1e-5
+    # Adaptive clipping (Andrew et al.): the quantile of update norms the clipping norm tracks,
+    # its geometric learning rate, and the noise std of the clipped count (0: sampled clients / 20).
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clipped_count_stddev: float = 0.0
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise OptionError("mode", self.mode, ", ".join(f"{name} ({what})" for name, (what, _) in MODES.items()))
+        if not self.clip > 0:
+            raise OptionError("clip", self.clip, "> 0")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise OptionError("noise_multiplier", self.noise_multiplier, ">= 0 (0: calibrated from target_epsilon)")
+        if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
+            raise OptionError("target_epsilon", self.target_epsilon, ">= 0 (0: the noise_multiplier given)")
+        if not 0 < self.delta < 1:
+            raise OptionError("delta", self.delta, "a probability in (0, 1)")
+        if not 0 <= self.target_quantile <= 1:
+            raise OptionError("target_quantile", self.target_quantile, "a quantile in [0, 1]")
+        if not self.clip_lr > 0:
+            raise OptionError("clip_lr", self.clip_lr, "> 0")
+        if self.clipped_count_stddev < 0:
+            raise OptionError("clipped_count_stddev", self.clipped_count_stddev, ">= 0 (0: sampled clients / 20)")
+        if self.mode != OFF and (self.noise_multiplier > 0) == (self.target_epsilon > 0):
+            raise OptionError(
+                "noise_multiplier", self.noise_multiplier,
+                f"> 0 or target_epsilon > 0, exactly one of them (mode={self.mode} needs noise and one way to set it; "
+                f"target_epsilon={self.target_epsilon})",
+            )
+
+    @property
+    def active(self) -> bool:
+        return self.mode != OFF
+
+    @property
+    def server_noise(self) -> bool:
+        return MODES[self.mode][1]
+
+
+@dataclass(frozen=True)
+class Federation:
+    """What the accounting of a run depends on besides its options."""
+
+    clients: int
+    sampled: int
+    rounds: int
+
+    def count_stddev(self, options: DPOptions) -> float:
+        """σ_b of adaptive clipping's clipped count (Flower's default: sampled clients / 20)."""
+        return options.clipped_count_stddev or self.sampled / 20
+
+
+def _rounds_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
+    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), rounds)
+    return accountant.get_epsilon(delta)
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int) -> float:
+    """The smallest z whose `rounds` Gaussian releases spend at most (target_epsilon, delta),
+    by dp-accounting's calibration over its RDP accountant (the one that keeps the budget)."""
+    low, high = _CALIBRATION_RANGE
+    if _rounds_epsilon(high, rounds, delta) > target_epsilon:
+        raise OptionError(
+            "target_epsilon", target_epsilon,
+            f"a budget {rounds} rounds can meet with noise multiplier <= {high:g} at delta={delta:g} "
+            f"(that much noise spends epsilon={_rounds_epsilon(high, rounds, delta):.3g})",
+        )
+    return float(dp_accounting.calibrate_dp_mechanism(
+        lambda: dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE),
+        lambda z: dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), rounds),
+        target_epsilon, delta, dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4,
+    ))
+
+
+def noise_multiplier(options: DPOptions, federation: Federation) -> float:
+    """The run's z, checked against what its mode can deliver (OptionError when it cannot)."""
+    if not options.active:
+        return 0.0
+    if options.delta >= 1 / federation.clients:
+        raise OptionError(
+            "delta", options.delta,
+            f"< 1/clients.count = {1 / federation.clients:.3g} (a delta that large lets a mechanism publish one "
+            "client's update outright)",
+        )
+    z = options.noise_multiplier or calibrate_noise_multiplier(options.target_epsilon, options.delta, federation.rounds)
+    if options.mode == CENTRAL_ADAPTIVE and z >= 2 * federation.count_stddev(options):
+        key, value = ("target_epsilon", options.target_epsilon) if options.target_epsilon else ("noise_multiplier", z)
+        raise OptionError(
+            key, value,
+            f"a noise multiplier below 2·σ_b = {2 * federation.count_stddev(options):.3g} under mode=central-adaptive "
+            f"(z={z:.3g}: the clipped count's noise σ_b would take all of it; raise privacy.dp.clipped_count_stddev, "
+            "sample more clients or use mode=central)",
+        )
+    return z
+
+
+def seed_numpy(*key: Any) -> None:
+    """Seed numpy's global generator, which Flower's DP wrappers and mods draw their noise from,
+    from `key` (stable across processes: a run and its resume draw the same noise)."""
+    digest = hashlib.sha256(json.dumps([str(part) for part in key]).encode()).digest()
+    np.random.seed(int.from_bytes(digest[:4], "little"))
+
+
+def local_dp_epsilon(z: float, delta: float) -> float:
+    """The per-release epsilon that makes Flower's LocalDpMod (std = clip · √(2 ln(1.25/δ)) / ε,
+    with the clipping norm as sensitivity) add noise of std z · clip."""
+    return math.sqrt(2 * math.log(1.25 / delta)) / z
+
+
+class PrivacyBudget:
+    """The (epsilon, delta) a run has spent: each round's release composed by Flower's RDP
+    accountant; its state goes into the round's checkpoint, so a resumed run goes on spending."""
+
+    def __init__(self, options: DPOptions, federation: Federation) -> None:
+        self.options, self.federation = options, federation
+        self.noise_multiplier = noise_multiplier(options, federation)
+        self.accountant = RdpAccountant(PrivacyConfig(
+            target_delta=options.delta,
+            population_size=federation.clients,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        ))
+
+    def release(self, kept: int, sampled: int) -> dict[str, float]:
+        """Compose one round's release, averaged over `kept` of the `sampled` clients; the
+        budget spent so far, as the round's metrics."""
+        if kept:
+            z = self.noise_multiplier if not self.options.server_noise else self.noise_multiplier * kept / sampled
+            self.accountant.compose(GaussianPrivacyEvent(z, sample_size=kept, population_size=self.federation.clients))
+        return self.spent()
+
+    def spent(self) -> dict[str, float]:
+        releases = self.accountant.num_releases
+        epsilon = self.accountant.get_epsilon(self.options.delta) if releases else 0.0
+        return {"dp_epsilon": epsilon, "dp_delta": self.options.delta, "dp_releases": releases,
+                "dp_noise_multiplier": self.noise_multiplier}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.accountant.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state)
