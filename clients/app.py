@@ -7,15 +7,21 @@ reply. An exception becomes Flower's error reply, whose reason the server report
 FL's handlers take and return the adapters as fp32 numpy arrays; `fl_wire_mod`, the
 outermost mod on them, decodes what arrived and encodes the reply, so the mods inside it
 (Flower's DP mods, which `fl_dp_mod` applies as privacy.dp.mode says) see the adapters as
-Flower's own mods expect them.
+Flower's own mods expect them. Under SecAgg+ (privacy.secagg) Flower's `secaggplus_mod` is the
+outermost (`fl_secagg_mod`): the adapters leave as its masked vector, not through the wire.
 """
 
+import json
 from collections.abc import Callable
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+from flwr.common import Code, FitRes, Status
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat
 from flwr.clientapp.typing import ClientAppCallable
 
 from clients.local import evaluate_local, train_steps
@@ -157,9 +163,36 @@ def fl_wire_mod(message: Message, context: Context, call_next: ClientAppCallable
         reply = call_next(message, context)
     finally:
         message.content.array_records[protocol.ARRAYS] = received
-    if not reply.has_error() and protocol.ARRAYS in reply.content.array_records:
+    # Under SecAgg+ the adapters leave as fp32 for secaggplus_mod to quantise and mask.
+    if not reply.has_error() and protocol.ARRAYS in reply.content.array_records and not rt.config.privacy.secagg.enabled:
         reply.content.array_records[protocol.ARRAYS] = wire.encode(numpy_tensors(reply.content.array_records[protocol.ARRAYS]))
     return reply
+
+
+def fl_secagg_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's secaggplus_mod, when privacy.secagg is enabled: it answers the protocol's key
+    stages itself and, in its masked-vector stage, runs the round's training (the mods inside)
+    and masks the adapters it trained. That mod reads the legacy FitRes form, so the training
+    reply is handed to it so; its own protocol record is taken off the message the inner mods see
+    (Flower's DP mods expect the round's one config record)."""
+    if not client_runtime(context).config.privacy.secagg.enabled:
+        return call_next(message, context)
+
+    def train(inner: Message, inner_context: Context) -> Message:
+        protocol_record = inner.content.config_records.pop(RECORD_KEY_CONFIGS)
+        try:
+            reply = call_next(inner, inner_context)
+        finally:
+            inner.content.config_records[RECORD_KEY_CONFIGS] = protocol_record
+        if reply.has_error():
+            return reply
+        metrics = reply.content.metric_records[protocol.METRICS]
+        parameters = recorddict_compat.arrayrecord_to_parameters(reply.content.array_records[protocol.ARRAYS], keep_input=True)
+        fitres = FitRes(Status(Code.OK, ""), parameters, int(metrics["num-examples"]),
+                        {protocol.SECAGG_METRICS: json.dumps(dict(metrics))})
+        return Message(recorddict_compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=inner)
+
+    return secaggplus_mod(message, context, train)
 
 
 def fl_dp_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -188,7 +221,7 @@ def _load_global(message: Message, rt: ClientRuntime) -> None:
     load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()}, rt.adapter)
 
 
-@_handles(protocol.FL_TRAIN, mods=[fl_wire_mod, fl_dp_mod])
+@_handles(protocol.FL_TRAIN, mods=[fl_secagg_mod, fl_wire_mod, fl_dp_mod])
 def fl_train(message: Message, context: Context) -> Message:
     """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
     rt = client_runtime(context)

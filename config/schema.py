@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from privacy import EDGE, STAGES, OptionError, defense_class, defense_names, parse_defense_names
 from privacy.dp import PARADIGMS as DP_PARADIGMS, DPOptions, Federation, noise_multiplier
+from privacy.secagg import SecAggOptions
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names, get_adapter
@@ -140,10 +141,12 @@ class PruningConfig:
 # ("noise,sparsify"; "": none); `privacy.<name>.<option>` sets each registered defense's
 # options (its Options dataclass owns the defaults); `seed` seeds their random draws, which
 # are also keyed by client, round and step. `privacy.dp.<option>`: differential privacy for
-# FedAvg with its budget (privacy.dp), the same seed keying its noise.
+# FedAvg with its budget (privacy.dp), the same seed keying its noise; `privacy.secagg.<option>`:
+# FedAvg's training rounds through SecAgg+ (privacy.secagg).
 PrivacyConfig = make_dataclass(
     "PrivacyConfig",
-    [("defenses", str, field(default="")), ("seed", int, field(default=0)), ("dp", DPOptions, field(default_factory=DPOptions))]
+    [("defenses", str, field(default="")), ("seed", int, field(default=0)),
+     ("dp", DPOptions, field(default_factory=DPOptions)), ("secagg", SecAggOptions, field(default_factory=SecAggOptions))]
     + [(name, defense_class(name).Options, field(default_factory=defense_class(name).Options)) for name in defense_names()],
 )
 
@@ -361,7 +364,7 @@ def _validate_privacy(config: SimConfig) -> None:
             getattr(config.privacy, name).validate()
         except OptionError as error:
             raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
-    _validate_dp(config)
+    _validate_federated_privacy(config)
     # The active EDGE defenses against the profile's tower, before it loads.
     profile = get_profile(config.model.profile)
     for name in names:
@@ -377,18 +380,30 @@ def dp_federation(config: SimConfig) -> Federation:
     return Federation(clients=config.clients.count, sampled=config.clients.sampled, rounds=config.train.rounds)
 
 
-def _validate_dp(config: SimConfig) -> None:
-    """privacy.dp's options, then what they promise against this run: its paradigm, its clients
-    (delta) and its rounds (a target epsilon is calibrated here, before anything loads)."""
-    options = config.privacy.dp
+def _validate_federated_privacy(config: SimConfig) -> None:
+    """privacy.dp's and privacy.secagg's options, then what they promise against this run: its
+    paradigm, its clients (delta, shares) and its rounds (a target epsilon is calibrated here,
+    before anything loads)."""
+    dp, secagg = config.privacy.dp, config.privacy.secagg
     try:
-        options.validate()
-        if options.active and config.paradigm not in DP_PARADIGMS:
-            raise OptionError("mode", options.mode, f"off for paradigm {config.paradigm} (DP-FedAvg protects FedAvg "
+        dp.validate()
+        if dp.active and config.paradigm not in DP_PARADIGMS:
+            raise OptionError("mode", dp.mode, f"off for paradigm {config.paradigm} (DP-FedAvg protects FedAvg "
                               f"updates: paradigm {', '.join(DP_PARADIGMS)})")
-        noise_multiplier(options, dp_federation(config))
+        noise_multiplier(dp, dp_federation(config))
     except OptionError as error:
         raise ConfigError(f"privacy.dp.{error.option}", error.value, error.allowed) from None
+    try:
+        secagg.validate()
+        if secagg.enabled:
+            if config.paradigm != "fl":
+                raise OptionError("enabled", secagg.enabled, f"false for paradigm {config.paradigm} (SecAgg+ sums FedAvg updates)")
+            secagg.resolved(config.clients.sampled, config.train.steps_per_round * config.train.batch_size)
+    except OptionError as error:
+        raise ConfigError(f"privacy.secagg.{error.option}", error.value, error.allowed) from None
+    if secagg.enabled and dp.server_clips:
+        raise ConfigError("privacy.dp.mode", dp.mode, "off, local or central-client-clipping under privacy.secagg.enabled "
+                          "(the server cannot clip updates it only sees summed)")
 
 
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:

@@ -113,6 +113,11 @@ class DPOptions:
     def server_noise(self) -> bool:
         return MODES[self.mode][1]
 
+    @property
+    def server_clips(self) -> bool:
+        """Whether the server clips each client's update (so it must see them one by one)."""
+        return self.mode in (CENTRAL, CENTRAL_ADAPTIVE)
+
 
 @dataclass(frozen=True)
 class Federation:

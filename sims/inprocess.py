@@ -8,6 +8,7 @@ and lets tests drive real Messages without the ~10 s start-up. Node i holds part
 i - 1 unless `node_ids` gives each partition's node id (as Flower's random ids would).
 """
 
+import copy
 import traceback
 from collections.abc import Iterable, Sequence
 
@@ -45,8 +46,13 @@ class InProcessGrid:
         return list(self.contexts)
 
     def deliver(self, message: Message) -> Message | None:
-        """The node's reply to one message (None: no reply)."""
-        return self.client_app(message, self.contexts[message.metadata.dst_node_id])
+        """The node's reply to one message (None: no reply). The node gets its own copy, as over a
+        real transport: a message's records may be shared by the messages of one send (Flower's
+        SecAgg+ stages do) and a client mod may change what it received."""
+        delivered = copy.copy(message)
+        if message.has_content():
+            delivered.content = RecordDict({name: type(record)(dict(record)) for name, record in message.content.items()})
+        return self.client_app(delivered, self.contexts[message.metadata.dst_node_id])
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []

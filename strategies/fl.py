@@ -10,7 +10,9 @@ The wire sits between the strategy and the grid (`WireGrid`), as `clients.app`'s
 `fl_wire_mod` sits between the ClientApp and its handlers: the strategy composes and
 averages fp32 numpy arrays, as Flower's strategies and their wrappers expect, and the
 grid encodes what it sends and decodes and screens what comes back. So a wrapper
-strategy (Flower's DP wrappers) and a client mod see the adapters, never the wire's bytes.
+strategy (Flower's DP wrappers, strategies.dp) and a client mod see the adapters, never the
+wire's bytes. Under SecAgg+ (strategies.secagg) the grid runs a training round as Flower's
+protocol and hands the strategy the survivors' unmasked average as the round's one reply.
 
 Flower samples and orders by its random node ids; here the clients of a round are
 drawn from the partitions with the run's seed and averaged in partition order, so the
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -31,9 +34,10 @@ from config import SimConfig
 from strategies.base import ClientFault, pruning_record
 from strategies.callbacks import RunCallback
 from strategies.dp import FederatedDP
+from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation, SecureRound
 from training import protocol
 from vlm.profiles import get_profile
-from wire import Wire, WireError, numpy_record, numpy_tensors, serialized_size
+from wire import Transfer, Wire, WireError, numpy_record, numpy_tensors, serialized_size
 
 
 class WireFedAvg(FedAvg):
@@ -70,6 +74,10 @@ class WireFedAvg(FedAvg):
         self.started = time.perf_counter()
         # DP-FedAvg (privacy.dp): Flower's wrapper around this strategy, and the budget it spends.
         self.dp = FederatedDP(config, self) if config.privacy.dp.active else None
+        # SecAgg+ (privacy.secagg): training rounds whose updates the server only sees summed.
+        self.secagg = SecureAggregation(config) if config.privacy.secagg.enabled else None
+        self.sent_bytes: dict[int, int] = {}
+        self.secured = 0
 
     @property
     def outer(self) -> FedAvg:
@@ -116,7 +124,9 @@ class WireFedAvg(FedAvg):
                 encoded[id(arrays)] = self.wire.encode(numpy_tensors(arrays))
             content = RecordDict({**message.content.config_records, protocol.ARRAYS: encoded[id(arrays)]})
             node = message.metadata.dst_node_id
-            self.wire.sent(round_, node, content, kind=kind.name if kind.replayed else None, record_key=protocol.ARRAYS)
+            self.sent_bytes[node] = self.wire.sent(
+                round_, node, content, kind=kind.name if kind.replayed else None, record_key=protocol.ARRAYS
+            )
             out.append(Message(content=content, message_type=message.metadata.message_type, dst_node_id=node))
         return out
 
@@ -124,15 +134,40 @@ class WireFedAvg(FedAvg):
         """The replies that may be folded in, decoded (training) or counted (evaluation)."""
         round_, phase = self.current
         if phase == "train":
-            kept = self._screen(replies, round_, phase, decode=True)
-            if self.dp:
-                # Aggregation comes next, and with it the DP wrapper's noise.
-                self.dp.before_aggregation(round_)
-            return kept
+            return self._screen(replies, round_, phase, decode=True)
         kept = self._screen(replies, round_, phase, decode=False)
         for reply in kept:
             self.wire.ledger.add(round_, reply.metadata.src_node_id, "up", serialized_size(reply.content))
         return kept
+
+    def secure_in(self, result: SecureRound, sent: list[Message]) -> list[Message]:
+        """A SecAgg+ round as the one reply FedAvg averages: the survivors' weighted average,
+        weighted by their summed example counts. The observers see each survivor's masked vector
+        as its update (all the server received of it); the clients that dropped out are reported."""
+        round_, _ = self.current
+        for node in self.sent_to:
+            down, up = result.traffic.get(node, (0, 0))
+            # Stage 2 carried the adapters wire_out already counted.
+            self.wire.ledger.add(round_, node, "down", down - self.sent_bytes.get(node, 0))
+            self.wire.ledger.add(round_, node, "up", up)
+            if node not in result.metrics:
+                why = f" ({'; '.join(result.failures)})" if result.failures else ""
+                self._fault(node, "train", f"dropped out of the SecAgg+ round{why}; its masks were removed from the sum")
+        if result.average is None:
+            return []
+        names = list(self.global_shapes)
+        survivors = sorted(result.metrics, key=lambda node: self.partitions[node])
+        for node in survivors:
+            masked = {name: torch.from_numpy(array).float() for name, array in zip(names, result.masked[node], strict=True)}
+            self.wire.show(Transfer(round_, node, protocol.ADAPTER_UPDATE.name, masked, result.traffic[node][1]))
+            self.pruned = self.pruned.merge(pruning_record(RecordDict({protocol.METRICS: MetricRecord(result.metrics[node])})))
+        average = {name: torch.from_numpy(array).float() for name, array in zip(names, result.average, strict=True)}
+        examples = sum(result.metrics[node]["num-examples"] for node in survivors)
+        loss = sum(result.metrics[node]["loss"] * result.metrics[node]["num-examples"] for node in survivors) / examples
+        self.secured = len(survivors)
+        content = RecordDict({protocol.ARRAYS: numpy_record(average),
+                              protocol.METRICS: MetricRecord({"num-examples": examples, "loss": loss})})
+        return [Message(content=content, reply_to=sent[0])]
 
     def _screen(self, replies: Iterable[Message], round_: int, phase: str, decode: bool) -> list[Message]:
         """Replies that may be folded in, in partition order (the average's summation order);
@@ -179,10 +214,12 @@ class WireFedAvg(FedAvg):
         if not kept:
             raise RuntimeError(f"no client update could be averaged in round {round_}: {self.faults}")
         arrays, metrics = super().aggregate_train(server_round, kept)
+        # Under SecAgg+ one reply stands for the survivors' sum.
+        averaged = self.secured if self.secagg else len(kept)
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
-                            "clients_averaged": len(kept), **self.pruned.as_round_metrics()})
+                            "clients_averaged": averaged, **self.pruned.as_round_metrics()})
         if self.dp:
-            self.record.update(self.dp.release(len(kept), len(self.sent_to)))
+            self.record.update(self.dp.release(averaged, len(self.sent_to)))
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
@@ -204,10 +241,11 @@ class WireFedAvg(FedAvg):
         if self.sent_to:
             self.record.update({"test_accuracy": correct / count if count else None, "test_count": count})
         self.record.update(self.wire.ledger.round_totals(round_))
+        trips = SECAGG_ROUND_TRIPS if self.secagg else 1
         self.record.update({
             "bytes_per_client": self.wire.ledger.per_client(round_),
-            "round_trips_train": 1, "round_trips_eval": 1 if self.sent_to else 0,
-            "round_trips_per_step": 1 / self.config.train.steps_per_round,
+            "round_trips_train": trips, "round_trips_eval": 1 if self.sent_to else 0,
+            "round_trips_per_step": trips / self.config.train.steps_per_round,
             "faults": self.faults, "wall_s": time.perf_counter() - self.started,
         })
         state = {"arrays": numpy_tensors(self.arrays)}
@@ -227,7 +265,17 @@ class WireGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         sent = self.strategy.wire_out(list(messages))
-        return self.strategy.wire_in(self.grid.send_and_receive(sent, timeout=timeout) if sent else [])
+        if not sent:
+            return []
+        round_, phase = self.strategy.current
+        if self.strategy.secagg and phase == "train":
+            replies = self.strategy.secure_in(self.strategy.secagg.round(self.grid, sent, round_), sent)
+        else:
+            replies = self.strategy.wire_in(self.grid.send_and_receive(sent, timeout=timeout))
+        if phase == "train" and self.strategy.dp:
+            # Aggregation comes next, and with it the DP wrapper's noise.
+            self.strategy.dp.before_aggregation(round_)
+        return replies
 
     def get_node_ids(self) -> Iterable[int]:
         return self.grid.get_node_ids()

@@ -18,6 +18,9 @@ TENSORS = "wire"
 CONFIG = "config"
 METRICS = "metrics"
 ARRAYS = "arrays"
+# SecAgg+ (strategies.secagg): a training reply's metrics, as JSON under this key of the legacy
+# FitRes metrics that Flower's protocol forwards (they take scalars only, the pruning record lists).
+SECAGG_METRICS = "metrics-json"
 
 # Split learning (SL and USL share the names; the handler set depends on the paradigm).
 SPLIT_BEGIN = "train.split_begin"  # start a turn: client runs its front, replies with the cut activation

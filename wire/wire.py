@@ -193,6 +193,12 @@ class Wire:
                 observer(transfer)
         return num_bytes
 
+    def show(self, transfer: Transfer) -> None:
+        """Show the observers a payload the server received in a form the wire does not decode
+        (SecAgg+'s masked vectors, strategies.secagg); its bytes are the caller's to count."""
+        for observer in self._observers:
+            observer(transfer)
+
     def received(
         self,
         round_: int,

@@ -109,6 +109,23 @@ def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home
     assert_same_outcome(*folders)
 
 
+def test_fl_runs_secagg_with_central_dp_under_flwr_run(flwr_home, tmp_path):
+    """SecAgg+'s four stages through Flower's simulation runtime (each node's protocol state kept
+    between them), with the clients clipping and the server noising the sum to a target epsilon."""
+    overrides = {
+        "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 4, "train.rounds": 2,
+        "train.steps_per_round": 2, "train.batch_size": 4, "eval.every": 0, "clients.count": 3,
+        "privacy.secagg.enabled": True, "privacy.dp.mode": "central-client-clipping", "privacy.dp.target_epsilon": 8.0,
+        "privacy.dp.delta": 1e-3, "output.root": str(tmp_path), "output.name": "secagg-dp",
+    }
+    status, folder, process = launch(SIMS / "fl_easyvqa", overrides, "num-supernodes=3 client-resources-num-cpus=1",
+                                     timeout_s=240)
+    assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["clients_averaged"], r["round_trips_train"], r["faults"]) for r in records] == [(3, 4, [])] * 2
+    assert status["privacy_spent"]["dp_epsilon"] == pytest.approx(8.0, abs=0.01) == records[-1]["dp_epsilon"]
+
+
 def test_the_paper_sim_fails_fast_and_says_what_is_missing(flwr_home, tmp_path):
     status, _, process = launch(
         SIMS / "usl_vqarad", {"output.root": str(tmp_path)}, "num-supernodes=2", timeout_s=120
