@@ -3,7 +3,7 @@
 `StaticTruth` is a truth given outright (tests, hand-made recordings). `RunTruth`
 rebuilds it for a recorded run from the run's config and the data the clients read
 (training.data.RunData: the same datasets, partitions, tokenizer and marks), and the
-batch of each training step from the seeded order (training.batches.batch_positions).
+batch of each training step from the seeded order (training.batches.train_positions).
 A split client's step is located by the transfer's round and occurrence; an FL
 update covers its round's T_l steps. Under pruning, the patches each sample sent are
 the run's own selector applied again to that step's samples (every policy is a
@@ -24,7 +24,7 @@ from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training import protocol
 from privacy import EDGE
-from training.batches import VisionEdge, batch_positions, sent_visual_rows
+from training.batches import VisionEdge, sent_visual_rows, train_positions
 from training.data import RunData
 from training.defenses import build_defenses
 from training.model import load_party_model
@@ -127,8 +127,7 @@ class RunTruth:
 
     def _step_samples(self, partition: int, step: int) -> list[VQASample]:
         shard = self.shards[partition]
-        train = self.config.train
-        return [shard[p] for p in batch_positions(len(shard), train.batch_size, step, self.config.model.seed)]
+        return [shard[p] for p in train_positions(self.config, len(shard), step)]
 
     def _step(self, entry: RecordedTransfer) -> int | None:
         """The training step of a split client's transfer (its batch's index in the seeded order)."""

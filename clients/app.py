@@ -134,7 +134,8 @@ def cl_train(message: Message, context: Context) -> Message:
     rt = client_runtime(context)
     config = _config(message)
     rt.begin_turn(int(config["committed-round"]))
-    metrics = train_steps(rt, rt.optimizers["all"], rt.config.train.steps_per_round, rt.config.train.grad_accum)
+    metrics = train_steps(rt, rt.optimizers["all"], rt.config.train.steps_per_round, rt.config.train.grad_accum,
+                          int(config["round"]))
     rt.save_private_state(int(config["round"]))
     return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": metrics})
 
@@ -229,7 +230,7 @@ def fl_train(message: Message, context: Context) -> Message:
     optimizer = make_optimizer(rt.parameters("all"), rt.config)
     # The batch order continues across rounds without any state surviving on the client.
     rt.step = (int(_config(message)["round"]) - 1) * rt.config.train.steps_per_round
-    metrics = train_steps(rt, optimizer, rt.config.train.steps_per_round, 1)
+    metrics = train_steps(rt, optimizer, rt.config.train.steps_per_round, 1, int(_config(message)["round"]))
     content = RecordDict(
         {
             protocol.ARRAYS: numpy_record(owner_state_dict(rt.model, rt.owned["all"], rt.adapter)),

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from flwr.app import Context
 
-from privacy import DefenseChain
+from privacy import DefenseChain, OptionError
+from privacy.dp import SGD
+from privacy.dp_sgd import SampleLevelDP
 from pruning import VisualTokenSelector
-from config import SimConfig, load_config
+from config import ConfigError, SimConfig, load_config
 from training import protocol
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
@@ -86,6 +88,13 @@ class ClientRuntime:
     # The round whose progress is in memory only (None: memory equals the newest snapshot).
     unsaved_round: int | None = None
     kept_front: KeptFront | None = None
+    # DP-SGD (privacy.dp.mode = "sgd"): this client's noise multiplier and budget.
+    dp_sgd: SampleLevelDP | None = None
+
+    def dp_generator(self, round_: int, segment: str) -> torch.Generator:
+        """DP-SGD's noise for this client's current step on `segment`, seeded like the defenses'
+        draws (privacy.seed, client, round, step), so a resumed step adds the same noise."""
+        return self.defenses.seed_for(self.partition_id, round_, self.step).generator(f"dp_sgd:{segment}")
 
     @property
     def model(self):
@@ -278,4 +287,15 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         store=store,
         owned=owned,
         adapter=adapter,
+        dp_sgd=sample_level_dp(config, len(train)),
     )
+
+
+def sample_level_dp(config: SimConfig, samples: int) -> SampleLevelDP | None:
+    """DP-SGD for a client holding `samples` training samples, over every step the run gives it."""
+    if config.privacy.dp.mode != SGD:
+        return None
+    try:
+        return SampleLevelDP(config.privacy.dp, samples, config.train.batch_size, config.train.rounds * config.train.steps_per_round)
+    except OptionError as error:
+        raise ConfigError(f"privacy.dp.{error.option}", error.value, error.allowed) from None

@@ -30,7 +30,7 @@ from clients.runtime import ClientRuntime, KeptFront
 from privacy import ACTIVATION, EVAL, LOSS, TRAIN, DefenseSeed, Payload
 from pruning import PruningRecord
 from training import protocol
-from training.batches import EncodedSample, VisionEdge, batch_positions, decoder_inputs
+from training.batches import EncodedSample, VisionEdge, decoder_inputs, train_positions
 from vlm.segments import DecoderInputs, run_decoder_layers
 from vqa import score_sample
 from wire import WireError, pack_rows, unpack_rows
@@ -68,8 +68,7 @@ class SplitClient:
     # -- batches -------------------------------------------------------------------------
     def train_batch(self) -> list[EncodedSample]:
         rt = self.rt
-        positions = batch_positions(len(rt.train), rt.config.train.batch_size, rt.step, rt.config.model.seed)
-        return [rt.train[p] for p in positions]
+        return [rt.train[p] for p in train_positions(rt.config, len(rt.train), rt.step)]
 
     def eval_batch(self, index: int) -> list[EncodedSample]:
         size = self.rt.config.eval.batch_size
@@ -161,22 +160,45 @@ class SplitClient:
         kept = self.front_of_this_step()
         if kept is None:
             _, front = self.train_front(round_)
-            rows, defense_loss = front.rows, front.defense_loss
+            rows, defense_loss, inputs = front.rows, front.defense_loss, front.inputs
         else:
-            rows, defense_loss = kept.rows, kept.defense_loss
+            rows, defense_loss, inputs = kept.rows, kept.defense_loss, kept.inputs
         rt.kept_front = None
         check_rows("gradient at the first cut", grad_rows, rows.shape[0])
         optimizer = rt.optimizers[self.front]
         optimizer.zero_grad(set_to_none=True)
-        outputs, grads = [rows], [grad_rows.to(rows.device, rows.dtype)]
-        if defense_loss is not None:
-            outputs.append(defense_loss)
-            grads.append(torch.ones_like(defense_loss))
-        torch.autograd.backward(outputs, grads)
+        grad_rows = grad_rows.to(rows.device, rows.dtype)
+        if rt.dp_sgd is None:
+            outputs, grads = [rows], [grad_rows]
+            if defense_loss is not None:
+                outputs.append(defense_loss)
+                grads.append(torch.ones_like(defense_loss))
+            torch.autograd.backward(outputs, grads)
+        else:
+            self.private_front_gradients(round_, rows, grad_rows, inputs.attention_mask.sum(-1).tolist())
         optimizer.step()
         rt.step += 1
         rt.after_training_message(round_, (self.front,), end_of_turn=not go_on)
-        return self.forward_payload(round_) if go_on else {"tensors": {}, "metrics": {}}
+        if go_on:
+            return self.forward_payload(round_)
+        # The end of the turn reports this client's DP-SGD budget (none without DP-SGD).
+        return {"tensors": {}, "metrics": rt.dp_sgd.spent(rt.step) if rt.dp_sgd else {}}
+
+    def private_front_gradients(self, round_: int, rows: torch.Tensor, grad_rows: torch.Tensor, lengths: list[int]) -> None:
+        """DP-SGD on the front: each sample's gradient is its rows' slice backpropagated with the
+        server's gradient for them (a sample's rows depend on its inputs alone) times the batch
+        size — its share of the batch loss, scaled so that without clipping and noise the step is
+        the plain one — clipped, summed and noised."""
+        rt = self.rt
+        params = rt.parameters(self.front)
+        pieces = list(zip(torch.split(rows, lengths), torch.split(grad_rows * len(lengths), lengths), strict=True))
+        per_sample = (torch.autograd.grad(out, params, grad, retain_graph=True) for out, grad in pieces)
+        rt.dp_sgd.private_gradients(params, per_sample, len(lengths), rt.dp_generator(round_, self.front),
+                                    clip=self.segment_clip())
+
+    def segment_clip(self) -> float:
+        """The norm each sample's gradient on the front is clipped to (USL splits it with the tail)."""
+        return self.rt.dp_sgd.options.clip
 
     # -- evaluation: greedy answers, scored on the client ----------------------------------
     def _scratch(self) -> dict:

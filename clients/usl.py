@@ -6,12 +6,14 @@ gradient at CB leaves through the run's GRADIENT defenses (after the tail's own 
 which uses the true gradient).
 """
 
+import math
+
 import torch
 
 from clients.split import SplitClient, check_rows
 from privacy import EVAL, GRADIENT, Payload
 from training import protocol
-from vlm.segments import next_token_loss, run_decoder_layers
+from vlm.segments import IGNORE_INDEX, next_token_loss, run_decoder_layers
 from wire import unpack_rows
 
 
@@ -32,17 +34,42 @@ class USLClient(SplitClient):
         rt.sync_private_state()
         inputs = self.step_inputs(round_)
         rows = rows.to(rt.party.device, next(rt.model.parameters()).dtype).requires_grad_()
-        loss = next_token_loss(self._tail(inputs, rows), inputs.labels)
+        logits = self._tail(inputs, rows)
+        loss = next_token_loss(logits, inputs.labels)
         optimizer = rt.optimizers["tail"]
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if rt.dp_sgd is None:
+            loss.backward()
+            grad = rows.grad
+        else:
+            # The gradient at CB is the batch loss's, as without DP-SGD (DP-SGD protects the weights).
+            (grad,) = torch.autograd.grad(loss, rows, retain_graph=True)
+            self.private_tail_gradients(round_, logits, inputs.labels)
         optimizer.step()
         rt.after_training_message(round_, ("tail",), end_of_turn=False)
-        grad = rows.grad
         if rt.defenses.acts_at(GRADIENT):
             payload = Payload(grad, inputs.attention_mask.sum(-1))
             grad = rt.defenses.apply((GRADIENT,), payload, self.seed(round_, rt.step)).rows
         return {"tensors": {protocol.GRAD: grad}, "metrics": {"loss": loss.detach().item()}}
+
+    def private_tail_gradients(self, round_: int, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """DP-SGD on the tail: each sample's share of the batch loss times the batch size (as the
+        head's, clients.split), its gradient clipped to clip/√2, summed and noised."""
+        rt = self.rt
+        params = rt.parameters("tail")
+        answer_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(-1)
+        weights = answer_tokens * labels.shape[0] / answer_tokens.sum()
+        per_sample = (
+            torch.autograd.grad(next_token_loss(logits[i : i + 1], labels[i : i + 1]) * weights[i], params, retain_graph=True)
+            for i in range(labels.shape[0])
+        )
+        rt.dp_sgd.private_gradients(params, per_sample, labels.shape[0], rt.dp_generator(round_, "tail"),
+                                    clip=self.segment_clip())
+
+    def segment_clip(self) -> float:
+        """Head and tail each clip a sample's gradient to clip/√2: together within clip, so one
+        step is one Gaussian release at noise multiplier z (privacy.dp_sgd)."""
+        return self.rt.dp_sgd.options.clip / math.sqrt(2)
 
     def eval_tail(self, rows: torch.Tensor) -> dict:
         scratch = self._scratch()

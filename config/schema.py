@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from privacy import EDGE, STAGES, OptionError, defense_class, defense_names, parse_defense_names
-from privacy.dp import PARADIGMS as DP_PARADIGMS, DPOptions, Federation, noise_multiplier
+from privacy import EDGE, LOSS, STAGES, OptionError, defense_class, defense_names, parse_defense_names
+from privacy.dp import MODES, SGD, DPOptions, Federation, noise_multiplier
 from privacy.secagg import SecAggOptions
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
@@ -387,9 +387,12 @@ def _validate_federated_privacy(config: SimConfig) -> None:
     dp, secagg = config.privacy.dp, config.privacy.secagg
     try:
         dp.validate()
-        if dp.active and config.paradigm not in DP_PARADIGMS:
-            raise OptionError("mode", dp.mode, f"off for paradigm {config.paradigm} (DP-FedAvg protects FedAvg "
-                              f"updates: paradigm {', '.join(DP_PARADIGMS)})")
+        if config.paradigm not in dp.paradigms:
+            allowed = [mode for mode in MODES if config.paradigm in MODES[mode][2]]
+            raise OptionError("mode", dp.mode, f"a mode of paradigm {config.paradigm}: {', '.join(allowed)} "
+                              f"({dp.mode} applies to {', '.join(dp.paradigms)})")
+        if dp.mode == SGD:
+            _check_dp_sgd(config)
         noise_multiplier(dp, dp_federation(config))
     except OptionError as error:
         raise ConfigError(f"privacy.dp.{error.option}", error.value, error.allowed) from None
@@ -404,6 +407,23 @@ def _validate_federated_privacy(config: SimConfig) -> None:
     if secagg.enabled and dp.server_clips:
         raise ConfigError("privacy.dp.mode", dp.mode, "off, local or central-client-clipping under privacy.secagg.enabled "
                           "(the server cannot clip updates it only sees summed)")
+
+
+def _check_dp_sgd(config: SimConfig) -> None:
+    """What DP-SGD's per-sample gradients rule out, and the budget it can promise, before any
+    model or data loads (each client calibrates to its own sample count when it starts)."""
+    if config.train.grad_accum != 1:
+        raise OptionError("mode", SGD, f"not sgd with train.grad_accum={config.train.grad_accum} (each step's batch "
+                          "is one sample draw)")
+    batch_level = [name for name in parse_defense_names(config.privacy.defenses) if defense_class(name).stage == LOSS]
+    if batch_level:
+        raise OptionError("mode", SGD, f"not sgd with {', '.join(batch_level)} in privacy.defenses (a loss term over "
+                          "the whole batch has no per-sample gradient to clip)")
+    if config.data.train_limit:
+        # The largest share a client can hold bounds delta from above: checked again on each client.
+        if config.privacy.dp.delta >= 1 / config.data.train_limit:
+            raise OptionError("delta", config.privacy.dp.delta, f"< 1/data.train_limit = {1 / config.data.train_limit:.3g} "
+                              "(delta must be below one over a client's training samples, whatever the partition)")
 
 
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:

@@ -45,16 +45,18 @@ CENTRAL = "central"
 CENTRAL_ADAPTIVE = "central-adaptive"
 CENTRAL_CLIENT_CLIPPING = "central-client-clipping"
 LOCAL = "local"
-# Each mode: what it does, and whether the server (not the client) adds the noise.
+SGD = "sgd"
+# Each mode: what it does, whether the server (not the client) adds the noise, and the
+# paradigms it applies to.
 MODES = {
-    OFF: ("no differential privacy", False),
-    CENTRAL: ("the server clips each client's update to `clip` and noises their average", True),
-    CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True),
-    CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True),
-    LOCAL: ("each client clips its update to `clip` and noises it before it leaves", False),
+    OFF: ("no differential privacy", False, ("cl", "fl", "sl", "usl")),
+    CENTRAL: ("the server clips each client's update to `clip` and noises their average", True, ("fl",)),
+    CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True, ("fl",)),
+    CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True, ("fl",)),
+    LOCAL: ("each client clips its update to `clip` and noises it before it leaves", False, ("fl",)),
+    SGD: ("DP-SGD: each client clips each sample's gradient to `clip` and noises their sum (privacy.dp_sgd)", False,
+          ("cl", "fl", "sl", "usl")),
 }
-# The paradigms whose exchange is a FedAvg update.
-PARADIGMS = ("fl",)
 # Noise multipliers tried while calibrating to a target epsilon: beyond the upper end the
 # updates are noise (std 1000× the clipping norm on their sum) and the target is refused.
 _CALIBRATION_RANGE = (1e-3, 1e3)
@@ -83,7 +85,7 @@ class DPOptions:
 
     def validate(self) -> None:
         if self.mode not in MODES:
-            raise OptionError("mode", self.mode, ", ".join(f"{name} ({what})" for name, (what, _) in MODES.items()))
+            raise OptionError("mode", self.mode, ", ".join(f"{name} ({what})" for name, (what, _, _) in MODES.items()))
         if not self.clip > 0:
             raise OptionError("clip", self.clip, "> 0")
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
@@ -108,6 +110,15 @@ class DPOptions:
     @property
     def active(self) -> bool:
         return self.mode != OFF
+
+    @property
+    def federated(self) -> bool:
+        """Whether the mode protects FedAvg's updates, with a user-level budget the server keeps."""
+        return self.mode not in (OFF, SGD)
+
+    @property
+    def paradigms(self) -> tuple[str, ...]:
+        return MODES[self.mode][2]
 
     @property
     def server_noise(self) -> bool:
@@ -158,8 +169,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int)
 
 
 def noise_multiplier(options: DPOptions, federation: Federation) -> float:
-    """The run's z, checked against what its mode can deliver (OptionError when it cannot)."""
-    if not options.active:
+    """The run's z for a federated mode, checked against what the mode can deliver (OptionError
+    when it cannot); DP-SGD's is each client's (privacy.dp_sgd)."""
+    if not options.federated:
         return 0.0
     if options.delta >= 1 / federation.clients:
         raise OptionError(

@@ -60,7 +60,10 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
         subscribe_recorder(config, wire, folder)
         first_round = folder.committed_round() + 1
         num_rounds = config.train.rounds
-        callbacks = [MetricsLog(folder), Checkpointer(folder), StatusReporter(folder, num_rounds)]
+        # The log first: it drops lines past the checkpoint, and the reporter reads the last one left.
+        metrics_log = MetricsLog(folder)
+        reporter = StatusReporter(folder, num_rounds)
+        callbacks = [metrics_log, Checkpointer(folder), reporter]
         checkpoint = folder.load_checkpoint()
         partitions = federation_partitions(grid, config)
         folder.record_nodes(partitions)
@@ -89,9 +92,9 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
             if checkpoint is not None:
                 strategy.load_state_dict(checkpoint)
             strategy.run(grid, list(partitions), first_round, num_rounds)
-        spent = {"privacy_spent": strategy.dp.budget.spent()} if config.paradigm == "fl" and strategy.dp else {}
         folder.write_status(
-            "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started, **spent
+            "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started,
+            **reporter.spent,
         )
     except BaseException as error:
         folder.write_status("failed", **failure_details(error))

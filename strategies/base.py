@@ -10,7 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,16 @@ def pruning_record(content: RecordDict) -> PruningRecord:
         return PruningRecord.from_message_metrics(content.metric_records[protocol.METRICS])
     except (KeyError, ValueError) as error:
         raise ClientFault(f"malformed pruning metrics: {error}") from error
+
+
+def sample_level_budget(reports: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """DP-SGD's budget as a round's metrics: the clients' reports (privacy.dp_sgd.SampleLevelDP.spent)
+    of the one that has spent the most (each client's privacy is its own; the run's is the worst)."""
+    reports = [report for report in reports if "dp_epsilon" in report]
+    if not reports:
+        return {}
+    worst = max(reports, key=lambda report: report["dp_epsilon"])
+    return {key: float(worst[key]) for key in ("dp_epsilon", "dp_delta", "dp_releases", "dp_noise_multiplier")}
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout_s: float, *, exact: bool = True) -> list[int]:

@@ -130,17 +130,23 @@ class Checkpointer:
 
 
 class StatusReporter:
-    """status.json after every round, so a killed run shows how far it got."""
+    """status.json after every round, so a killed run shows how far it got; a DP run's status also
+    says the budget spent (`spent`: as of the last committed round, also for the final status)."""
 
     def __init__(self, folder: RunFolder, num_rounds: int) -> None:
         self.folder, self.num_rounds = folder, num_rounds
+        log = folder.path / "metrics.jsonl"
+        lines = [line for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        self.spent = privacy_spent(json.loads(lines[-1])) if lines else {}
 
     def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
-        self.folder.write_status("running", round=round_, rounds=self.num_rounds, **privacy_spent(metrics))
+        self.spent = privacy_spent(metrics)
+        self.folder.write_status("running", round=round_, rounds=self.num_rounds, **self.spent)
 
 
 def privacy_spent(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The budget a DP run has spent, from its round's metrics (privacy.dp.PrivacyBudget.spent)."""
+    """The budget a DP run has spent, from a round's metrics (privacy.dp.PrivacyBudget.spent,
+    privacy.dp_sgd.SampleLevelDP.spent)."""
     return {"privacy_spent": {key: metrics[key] for key in metrics if key.startswith("dp_")}} if "dp_epsilon" in metrics else {}
 
 

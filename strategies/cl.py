@@ -8,7 +8,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from strategies.base import RoundStrategy, pruning_record
+from strategies.base import RoundStrategy, pruning_record, sample_level_budget
 from training import protocol
 
 
@@ -22,6 +22,7 @@ class CLStrategy(RoundStrategy):
             "train_loss": metrics["loss"],
             "steps": self.config.train.steps_per_round,
             **pruning_record(reply).as_round_metrics(),
+            **sample_level_budget([dict(metrics)]),
         }
 
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from pruning import PruningRecord
 from config import SimConfig
-from strategies.base import ClientFault, pruning_record
+from strategies.base import ClientFault, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from strategies.dp import FederatedDP
 from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation, SecureRound
@@ -73,11 +73,13 @@ class WireFedAvg(FedAvg):
         self.current: tuple[int, str] = (first_round, "train")
         self.started = time.perf_counter()
         # DP-FedAvg (privacy.dp): Flower's wrapper around this strategy, and the budget it spends.
-        self.dp = FederatedDP(config, self) if config.privacy.dp.active else None
+        self.dp = FederatedDP(config, self) if config.privacy.dp.federated else None
         # SecAgg+ (privacy.secagg): training rounds whose updates the server only sees summed.
         self.secagg = SecureAggregation(config) if config.privacy.secagg.enabled else None
         self.sent_bytes: dict[int, int] = {}
         self.secured = 0
+        # DP-SGD: what each accepted reply reported of its client's budget this round.
+        self.client_budgets: list[dict[str, Any]] = []
 
     @property
     def outer(self) -> FedAvg:
@@ -105,7 +107,7 @@ class WireFedAvg(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.started = time.perf_counter()
-        self.record, self.faults = {}, []
+        self.record, self.faults, self.client_budgets = {}, [], []
         self.pruned = PruningRecord(num_patches=self.num_patches)
         round_ = self.round_of(server_round)
         return self._compose(arrays, config, self.sampled_nodes(round_), protocol.FL_TRAIN, round_, "train")
@@ -161,6 +163,7 @@ class WireFedAvg(FedAvg):
             masked = {name: torch.from_numpy(array).float() for name, array in zip(names, result.masked[node], strict=True)}
             self.wire.show(Transfer(round_, node, protocol.ADAPTER_UPDATE.name, masked, result.traffic[node][1]))
             self.pruned = self.pruned.merge(pruning_record(RecordDict({protocol.METRICS: MetricRecord(result.metrics[node])})))
+            self.client_budgets.append(result.metrics[node])
         average = {name: torch.from_numpy(array).float() for name, array in zip(names, result.average, strict=True)}
         examples = sum(result.metrics[node]["num-examples"] for node in survivors)
         loss = sum(result.metrics[node]["loss"] * result.metrics[node]["num-examples"] for node in survivors) / examples
@@ -198,6 +201,7 @@ class WireFedAvg(FedAvg):
                 self._fault(node, phase, f"{type(error).__name__}: {error}")
                 continue
             self.pruned = self.pruned.merge(pruned)
+            self.client_budgets.append(dict(reported))
             # FedAvg averages numpy arrays: the accepted update, decoded to fp32.
             content = RecordDict({protocol.ARRAYS: numpy_record(tensors), protocol.METRICS: metrics})
             kept.append(Message(content=content, reply_to=reply))
@@ -220,6 +224,7 @@ class WireFedAvg(FedAvg):
                             "clients_averaged": averaged, **self.pruned.as_round_metrics()})
         if self.dp:
             self.record.update(self.dp.release(averaged, len(self.sent_to)))
+        self.record.update(sample_level_budget(self.client_budgets))
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):

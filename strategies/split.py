@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 
 from config import SimConfig
 from pruning import PruningRecord
-from strategies.base import FAULTS, RoundStrategy, pruning_record
+from strategies.base import FAULTS, RoundStrategy, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from training import protocol
 from training.model import PartyModel, make_optimizer
@@ -101,10 +101,11 @@ class SplitStrategy(RoundStrategy):
 
     # -- training --------------------------------------------------------------------------
     def train_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
-        losses, steps, tokens = [], 0, 0
+        losses, steps, tokens, budgets = [], 0, 0, []
         pruned = PruningRecord(num_patches=self.party.bundle.profile.num_patches)
         for node in nodes:
-            done, turn_losses, turn_pruned, turn_tokens = self.turn(grid, node, round_)
+            done, turn_losses, turn_pruned, turn_tokens, budget = self.turn(grid, node, round_)
+            budgets.append(budget)
             steps += done
             losses += turn_losses
             pruned = pruned.merge(turn_pruned)
@@ -118,11 +119,14 @@ class SplitStrategy(RoundStrategy):
             **pruned.as_round_metrics(),
             # Real tokens whose activations crossed the (first) cut: k in the k × D payload.
             "train_tokens": tokens,
+            **sample_level_budget(budgets),
         }
 
-    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], PruningRecord, int]:
+    def turn(self, grid: Grid, node: int, round_: int) -> tuple[int, list[float], PruningRecord, int, dict[str, Any]]:
+        """The client's turn: its steps done, losses, pruning, tokens sent, and what its end of
+        turn reported (DP-SGD: its budget)."""
         steps = self.config.train.steps_per_round
-        losses, done, tokens = [], 0, 0
+        losses, done, tokens, reported = [], 0, 0, {}
         pruned = PruningRecord(num_patches=self.party.bundle.profile.num_patches)
         phase = "open the turn"
         try:
@@ -135,9 +139,10 @@ class SplitStrategy(RoundStrategy):
                 tokens += step_tokens
                 done += 1
             self.receive(round_, node, protocol.END_OF_TURN, reply)
+            reported = dict(reply.metric_records[protocol.METRICS])
         except FAULTS as error:
             self.record_fault(round_, node, phase, error, f"turn skipped after {done} of {steps} steps")
-        return done, losses, pruned, tokens
+        return done, losses, pruned, tokens, reported
 
     @abstractmethod
     def step(self, grid: Grid, node: int, round_: int, reply: RecordDict, go_on: bool) -> tuple[RecordDict, float, int]:

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from config import SimConfig
 from privacy import EDGE, DefenseChain, DefenseSeed
+from privacy.dp import SGD
 from privacy.edge import edge_vision_tokens, select_sent
 from pruning import PruningRecord, VisualTokenSelector
 from vlm.features import VisionFeatureCache
@@ -54,6 +56,19 @@ def batch_positions(num_samples: int, batch_size: int, step: int, seed: int) -> 
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         positions.append(int(torch.randperm(num_samples, generator=generator)[offset]))
     return positions
+
+
+def sampled_positions(num_samples: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s batch drawn afresh: `batch_size` of the samples without
+    replacement, independently of every other step (DP-SGD's sampling, privacy.dp_sgd)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * step + 1)
+    return sorted(int(i) for i in torch.randperm(num_samples, generator=generator)[:batch_size])
+
+
+def train_positions(config: SimConfig, num_samples: int, step: int) -> list[int]:
+    """A client's training batch at `step`: epochs of a shuffle, or DP-SGD's independent draws."""
+    draw = sampled_positions if config.privacy.dp.mode == SGD else batch_positions
+    return draw(num_samples, config.train.batch_size, step, config.model.seed)
 
 
 @dataclass(frozen=True)
