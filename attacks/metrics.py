@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from rouge_score import rouge_scorer
+from scipy.stats import beta
 from sklearn.metrics import roc_auc_score, roc_curve
 from torchmetrics.functional.image import (
     peak_signal_noise_ratio,
@@ -88,6 +89,39 @@ def membership_metrics(scores: Sequence[float], is_member: Sequence[bool]) -> di
         # The best TPR among operating points whose FPR does not exceed `low`.
         metrics[f"tpr_at_fpr_{low:g}"] = float(tpr[fpr <= low].max())
     return metrics
+
+
+def audit_epsilon(scores: Sequence[float], is_member: Sequence[bool], delta: float, *, confidence: float = 0.95,
+                  seed: int = 0) -> dict[str, float]:
+    """An empirical lower bound on epsilon from a membership audit (Jagielski et al. 2020; Nasr et
+    al. 2021): any (epsilon, delta)-DP training bounds every test's false positive and false
+    negative rates by FNR >= (1 - delta - FPR) / e^epsilon, so the rates an attack reaches give
+    epsilon >= log((1 - delta - FNR) / FPR) (and with the roles swapped). The rates are taken at
+    their one-sided Clopper–Pearson upper bounds at `confidence`, and the threshold is chosen on
+    a random half of the candidates and bounded on the other half, so the bound holds at that
+    confidence (written here: the formula is a few lines over scipy's beta quantiles)."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(is_member, dtype=bool)
+    order = np.random.default_rng(seed).permutation(len(scores))
+    choose, bound = order[: len(order) // 2], order[len(order) // 2 :]
+
+    def epsilon_at(threshold: float, part: np.ndarray) -> float:
+        member, guessed = labels[part], scores[part] >= threshold
+        fpr = _clopper_pearson_upper(int((guessed & ~member).sum()), int((~member).sum()), confidence)
+        fnr = _clopper_pearson_upper(int((~guessed & member).sum()), int(member.sum()), confidence)
+        return max(np.log(max(1 - delta - fnr, 1e-300) / fpr), np.log(max(1 - delta - fpr, 1e-300) / fnr))
+
+    if not (labels[choose].any() and (~labels[choose]).any() and labels[bound].any() and (~labels[bound]).any()):
+        raise ValueError("the membership audit needs members and non-members in both halves of its candidates")
+    threshold = max(np.unique(scores[choose]), key=lambda t: epsilon_at(t, choose))
+    return {"audit_epsilon": max(0.0, float(epsilon_at(threshold, bound))),
+            "audit_delta": float(delta), "audit_confidence": float(confidence)}
+
+
+def _clopper_pearson_upper(successes: int, trials: int, confidence: float) -> float:
+    """The one-sided Clopper–Pearson upper bound of a binomial rate."""
+    if successes >= trials:
+        return 1.0
+    return float(beta.ppf(confidence, successes + 1, trials - successes))
 
 
 def token_precision_recall(recovered: Sequence[int], original: Sequence[int]) -> tuple[float, float]:

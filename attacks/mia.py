@@ -15,7 +15,15 @@ Attribute inference: for a record whose answer (the sensitive attribute, e.g. th
 shape's colour) is unknown, every candidate answer of that question kind is scored
 by the attack model, and the most "member-like" one is the guess; the trivial
 attacker guesses the most common auxiliary answer of that kind.
+
+`mia_loss` is the loss-threshold attack (Yeom et al., CSF 2018): a record's score is the
+target's likelihood of its answer, no shadow models. On a run with canaries (data.canaries:
+training samples with random answers, and matched ones never trained on) both attacks are a
+membership audit: beside AUC and TPR at low FPR they report an empirical lower bound on
+epsilon (attacks.metrics.audit_epsilon), and the accountant's epsilon from the run's status.
 """
+
+import json
 
 import copy
 from collections import Counter, defaultdict
@@ -31,7 +39,7 @@ from tqdm.auto import tqdm
 
 from attacks.base import Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
-from attacks.metrics import membership_metrics
+from attacks.metrics import audit_epsilon, membership_metrics
 from attacks.recording import Recording
 from attacks.context import ReplayContext, final_model
 from vlm.lora import lora_parameters
@@ -72,6 +80,9 @@ class MIA(Attack):
     def __init__(self, knowledge: AttackerKnowledge, **options) -> None:
         super().__init__(knowledge, **options)
         self.target: torch.nn.Module | None = None
+        # A run with canaries: the delta of its audit, and the budget its accountant reported.
+        self.audit_delta: float | None = None
+        self.accounted: dict[str, float] = {}
         # Vision features by image id: the tower is frozen and public, the same in every model here.
         self._features: dict[str, torch.Tensor] = {}
 
@@ -163,10 +174,7 @@ class MIA(Attack):
         # A linear attack model: with a few shadows' records, a more flexible one overfits their noise.
         self.attack_model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
         self.attack_model.fit(np.concatenate(features), np.concatenate(labels))
-        kinds: dict[str, Counter] = defaultdict(Counter)
-        for sample in aux:
-            kinds[sample.question_kind][sample.answer] += 1
-        self.answers_by_kind = {kind: counts for kind, counts in kinds.items()}
+        self.answers_by_kind = answers_by_kind(aux)
         return self
 
     def membership_scores(self, model: torch.nn.Module, records: Sequence[VQASample],
@@ -194,8 +202,14 @@ class MIA(Attack):
                 "chance_attribute_accuracy": chance / scored, "attribute_records": float(scored)}
 
     def prepare_replay(self, run: ReplayContext) -> None:
-        """The target: the run's fine-tuned model of client `run.partition`."""
+        """The target: the run's fine-tuned model of client `run.partition`; with canaries, the
+        audit's delta (the run's privacy.dp.delta) and the budget the run's status reports."""
         self.set_target(final_model(run))
+        if run.config.data.canaries:
+            self.audit_delta = run.config.privacy.dp.delta
+            status = run.folder / "status.json"
+            spent = json.loads(status.read_text()).get("privacy_spent", {}) if status.exists() else {}
+            self.accounted = {"accountant_epsilon": spent["dp_epsilon"]} if "dp_epsilon" in spent else {}
 
     def run(self, recording: Recording | None, truth: Truth | None = None) -> AttackResult:
         """Query the target on the truth's members and non-members (the recording is not read:
@@ -222,9 +236,53 @@ class MIA(Attack):
                               outputs={"scores": torch.as_tensor(scores, dtype=torch.float32),
                                        "is_member": torch.tensor(is_member)})
         result.metrics.update(membership_metrics(scores, is_member))
+        if self.audit_delta is not None:
+            result.metrics.update(audit_epsilon(scores, is_member, self.audit_delta, seed=o.seed))
+            result.metrics.update(self.accounted)
         if o.attribute_records:
             result.metrics.update(self.infer_attributes(self.target, members[: o.attribute_records]))
         return result
 
 
+
+def answers_by_kind(aux: Sequence[VQASample]) -> dict[str, Counter]:
+    """The public data's answers of each question kind, counted (attribute inference's candidates)."""
+    kinds: dict[str, Counter] = defaultdict(Counter)
+    for sample in aux:
+        kinds[sample.question_kind][sample.answer] += 1
+    return dict(kinds)
+
+
+@dataclass
+class LossOptions:
+    # Members and non-members (each) drawn from the truth's candidates.
+    candidates: int = 256
+    # Member records whose answer is inferred (0: no attribute inference).
+    attribute_records: int = 64
+    seed: int = 0
+    progress: bool = True
+
+
+class LossThresholdMIA(MIA):
+    """Membership by the target's likelihood of the answer alone (no shadows, no attack model):
+    exp of the answer tokens' mean log-likelihood, so a score of 0.5 is a geometric-mean
+    token probability of one half."""
+
+    name = "mia_loss"
+    Options = LossOptions
+
+    def fit(self, aux: Sequence[VQASample]) -> "LossThresholdMIA":
+        self.answers_by_kind = answers_by_kind(aux)
+        self.attack_model = None
+        return self
+
+    def membership_scores(self, model: torch.nn.Module, records: Sequence[VQASample],
+                          answers: Sequence[str] | None = None) -> np.ndarray:
+        return np.exp(self.confidences(model, records, answers)[:, MEAN_LOG_LIKELIHOOD])
+
+
+# The column of the answer's mean log-likelihood in MIA.confidences' rows.
+MEAN_LOG_LIKELIHOOD = 4
+
 register_attack(MIA)
+register_attack(LossThresholdMIA)

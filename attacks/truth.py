@@ -177,8 +177,12 @@ class RunTruth:
         return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
-        """Members: every client's training shard. Non-members: the test questions clients score on
-        (never trained on) — whose images the training split does not share."""
+        """With data.canaries: the canaries the clients trained on and those they never saw, each
+        with its random answer (memorising it is the only way to score it well). Without: every
+        client's training shard, and the test questions clients score on (never trained on) —
+        whose images the training split does not share."""
+        if self.data.canary_members:
+            return list(self.data.canary_members), list(self.data.canary_non_members)
         members = [s for shard in self.shards for s in shard]
         return members, list(self.data.test_all)
 

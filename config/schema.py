@@ -80,6 +80,10 @@ class DataConfig:
     partition: str = "iid"
     alpha: float = 0.5
     seed: int = 0
+    # Membership audit: per client, this many training samples get a random plausible answer
+    # (canaries it trains on), and as many rows of the training split no client holds get one
+    # too (canaries never trained on); attacks' membership truth is then these.
+    canaries: int = 0
 
 
 @dataclass
@@ -293,6 +297,13 @@ def validate(config: SimConfig) -> None:
     _choice("data.partition", config.data.partition, PARTITIONS)
     _at_least("data.train_limit", config.data.train_limit, 0)
     _at_least("data.test_limit", config.data.test_limit, 0)
+    _at_least("data.canaries", config.data.canaries, 0)
+    if config.data.canaries and not config.data.train_limit:
+        raise ConfigError("data.canaries", config.data.canaries, "0 unless data.train_limit > 0 (the canaries never "
+                          "trained on are rows of the training split beyond the clients' train_limit)")
+    if config.data.canaries * config.clients.count > config.data.train_limit:
+        raise ConfigError("data.canaries", config.data.canaries, f"at most data.train_limit / clients.count = "
+                          f"{config.data.train_limit // config.clients.count} per client")
     if config.data.alpha <= 0:
         raise ConfigError("data.alpha", config.data.alpha, "> 0")
     _at_least("clients.count", config.clients.count, 1)

@@ -21,6 +21,7 @@ from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolde
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, WireGrid
 from strategies.split import SLStrategy, USLStrategy
+from training.data import RunData
 from training.model import SERVER, load_party_model
 from vlm.lora import owner_state_dict
 from wire import Transfer, Wire, numpy_record
@@ -67,6 +68,8 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
         checkpoint = folder.load_checkpoint()
         partitions = federation_partitions(grid, config)
         folder.record_nodes(partitions)
+        if config.data.canaries:
+            folder.record_canaries(RunData.build(config))
         if config.paradigm == "fl":
             party = load_party_model(config)
             initial = owner_state_dict(party.model, party.segments[0])

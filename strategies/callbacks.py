@@ -2,7 +2,8 @@
 
 A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one line
 per round), `checkpoints/` (the server's state after each round), `committed.json`
-(the last round whose checkpoint is complete), `nodes.json` (node id -> partition id
+(the last round whose checkpoint is complete), `canaries.json` (data.canaries: the membership
+audit's canaries), `nodes.json` (node id -> partition id
 of every node that served the run: Flower's node ids change with each start, and a
 recording names nodes) and `status.json` (running, finished or failed with the reason;
 the server's threat model and the defenses its clients applied) — the truth that `flwr run --stream`'s exit code is not.
@@ -19,8 +20,12 @@ from typing import Any, Protocol
 import torch
 
 from config import RESUMABLE_KEYS, SimConfig
+from training.data import RunData
 from training.defenses import describe_defenses, describe_dp
 from training.protocol import NODE_PARTITIONS_FILE
+
+
+CANARIES_FILE = "canaries.json"
 
 
 def write_json_atomically(path: Path, data: Any) -> None:
@@ -73,6 +78,15 @@ class RunFolder:
         path = self.path / NODE_PARTITIONS_FILE
         known = json.loads(path.read_text()) if path.exists() and self.committed_round() else {}
         write_json_atomically(path, {**known, **{str(node): partition for node, partition in partitions.items()}})
+
+    def record_canaries(self, data: RunData) -> None:
+        """`canaries.json`: the membership audit's canaries (data.canaries) with the random answer
+        each was given, so an audit can be checked against what the run trained on."""
+        def rows(samples: Any) -> list[dict[str, str]]:
+            return [{"id": s.id, "image_id": s.image_id, "question": s.question, "answer": s.answer} for s in samples]
+
+        write_json_atomically(self.path / CANARIES_FILE, {"members": rows(data.canary_members),
+                                                          "non_members": rows(data.canary_non_members)})
 
     def write_status(self, state: str, **details: Any) -> None:
         status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model,

@@ -5,6 +5,7 @@
     data.tokenizer(bundle)                                    # the tokenizer every party reads text with
     data.mark_patches(profile)                                # stamped benchmark: the mark's patches per image
     data.auxiliary(limit)                                     # the attacker's public rows
+    data.canary_members, data.canary_non_members             # the membership audit's canaries
 
 The clients (clients/runtime.py), the attacks' ground truth (attacks/truth.py), what
 the attacker knows (attacks/replay.py) and the FSHA hijack (strategies/adversarial.py)
@@ -14,7 +15,8 @@ tokenizer of `vlm.mini.tokenizer.build_sample_tokenizer` over the run's samples 
 same rule the DTP preparation (pruning.prepare, a layer below) builds its tokenizer by.
 """
 
-from dataclasses import astuple, dataclass
+import random
+from dataclasses import astuple, dataclass, replace
 from functools import cached_property, lru_cache
 
 from transformers import PreTrainedTokenizerBase
@@ -43,6 +45,11 @@ class RunData:
     test_all: VQADataset
     train_indices: tuple[tuple[int, ...], ...]
     test_indices: tuple[tuple[int, ...], ...]
+    # data.canaries: training samples whose answer was replaced by a random answer of their
+    # question kind (in train_all so), and as many rows of the training split no client holds,
+    # answered the same way (never trained on).
+    canary_members: tuple[VQASample, ...] = ()
+    canary_non_members: tuple[VQASample, ...] = ()
 
     @classmethod
     def build(cls, config: SimConfig) -> "RunData":
@@ -97,7 +104,7 @@ class RunData:
         """`limit` rows of the run's `threat.aux_split` whose images no client trains on or scores on:
         the public data the attacker has. `seed` is added to the data seed for their draw."""
         data, split = self.data, self.aux_split
-        taken = {s.image_id for s in self.samples}
+        taken = {s.image_id for s in [*self.samples, *self.canary_non_members]}
         # Enough rows that `limit` remain after the clients' own rows of this split are left out.
         clients_rows = {data.train_split: self.train_all, data.test_split: self.test_all}.get(split, [])
         pool = load_vqa(
@@ -125,4 +132,43 @@ def _build(data_fields: tuple, count: int, aux_split: str) -> RunData:
             f"(data.dataset={data.dataset!r}, data.train_limit={data.train_limit}, data.test_limit={data.test_limit}, "
             f"data.partition={data.partition!r}): {error}"
         ) from error
-    return RunData(data, aux_split, train_all, test_all, tuple(map(tuple, train)), tuple(map(tuple, test)))
+    train_indices, test_indices = tuple(map(tuple, train)), tuple(map(tuple, test))
+    if not data.canaries:
+        return RunData(data, aux_split, train_all, test_all, train_indices, test_indices)
+    train_all, members, non_members = _with_canaries(data, train_all, [*train_all, *test_all], train_indices)
+    return RunData(data, aux_split, train_all, test_all, train_indices, test_indices, members, non_members)
+
+
+def _with_canaries(data: DataConfig, train_all: VQADataset, held: list[VQASample],
+                   shards: tuple[tuple[int, ...], ...]) -> tuple[VQADataset, tuple[VQASample, ...], tuple[VQASample, ...]]:
+    """`data.canaries` samples of each shard, and as many rows per client of the training split
+    outside `held`, each with an answer drawn from the other answers of its question kind."""
+    rng = random.Random(f"canaries:{data.seed}")
+    answers_by_kind: dict[str, list[str]] = {}
+    for sample in train_all:
+        answers_by_kind.setdefault(sample.question_kind, [])
+        if sample.answer not in answers_by_kind[sample.question_kind]:
+            answers_by_kind[sample.question_kind].append(sample.answer)
+
+    def canary(sample: VQASample) -> VQASample | None:
+        others = [answer for answer in answers_by_kind.get(sample.question_kind, []) if answer != sample.answer]
+        return replace(sample, answer=rng.choice(others), answers=()) if others else None
+
+    samples = list(train_all)
+    members = []
+    for shard in shards:
+        drawn = 0
+        for index in rng.sample(list(shard), len(shard)):
+            replaced = canary(samples[index]) if drawn < data.canaries else None
+            if replaced is not None:
+                samples[index], drawn = replaced, drawn + 1
+                members.append(replaced)
+    taken = {s.image_id for s in held}
+    wanted = data.canaries * len(shards)
+    pool = load_vqa(data.dataset, data.train_split, data.source or None, limit=len(train_all) + 4 * wanted,
+                    seed=data.seed + 2)
+    non_members = [c for c in (canary(s) for s in pool if s.image_id not in taken) if c is not None][:wanted]
+    if len(members) < wanted or len(non_members) < wanted:
+        raise ValueError(f"data.canaries={data.canaries}: only {len(members)} member and {len(non_members)} "
+                         f"non-member canaries of the {wanted} asked for can be drawn from {data.dataset}/{data.train_split}")
+    return VQADataset(train_all.name, train_all.split, samples), tuple(members), tuple(non_members)
