@@ -42,6 +42,8 @@ from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.metrics import audit_epsilon, membership_metrics
 from attacks.recording import Recording
 from attacks.context import ReplayContext, final_model
+from pruning import VisualTokenSelector
+from training.selector import build_selector
 from vlm.lora import lora_parameters
 from vlm.segments import (
     merge_multimodal_inputs,
@@ -83,6 +85,10 @@ class MIA(Attack):
         # A run with canaries: the delta of its audit, and the budget its accountant reported.
         self.audit_delta: float | None = None
         self.accounted: dict[str, float] = {}
+        # The run's pruning policy, which every model here is queried (and shadows train) through,
+        # as a client's deployed model sees its inputs (None: all visual tokens).
+        self.query_selector: VisualTokenSelector | None = None
+        self.query_policy = "off"
         # Vision features by image id: the tower is frozen and public, the same in every model here.
         self._features: dict[str, torch.Tensor] = {}
 
@@ -120,7 +126,12 @@ class MIA(Attack):
         missing = list({s.image_id: s for s in batch if s.image_id not in self._features}.values())
         if missing:
             self._features.update(zip([s.image_id for s in missing], k.features(k.pixel_values(missing)), strict=True))
-        visual = [project_visual_features(model, self._features[s.image_id].unsqueeze(0))[0] for s in batch]
+        stacked = torch.stack([self._features[s.image_id] for s in batch]).to(k.device)
+        rows = list(stacked)
+        if self.query_selector is not None:
+            keep = self.query_selector(stacked, list(batch)).keep
+            rows = [stacked[i, indices] for i, indices in enumerate(keep)]
+        visual = [project_visual_features(model, r.unsqueeze(0))[0] for r in rows]
         inputs = merge_multimodal_inputs(model, [k.prompt_ids(s.question) for s in batch], visual,
                                          [k.answer_ids(a) for a in answers])
         logits = run_decoder_layers(model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0,
@@ -202,9 +213,13 @@ class MIA(Attack):
                 "chance_attribute_accuracy": chance / scored, "attribute_records": float(scored)}
 
     def prepare_replay(self, run: ReplayContext) -> None:
-        """The target: the run's fine-tuned model of client `run.partition`; with canaries, the
-        audit's delta (the run's privacy.dp.delta) and the budget the run's status reports."""
+        """The target: the run's fine-tuned model of client `run.partition`, queried through the
+        run's pruning policy; with canaries, the audit's delta (the run's privacy.dp.delta) and
+        the budget the run's status reports."""
         self.set_target(final_model(run))
+        if run.config.pruning.policy != "off":
+            self.query_selector = build_selector(run.config, tokenizer=self.knowledge.tokenizer, device=self.knowledge.device)
+            self.query_policy = run.config.pruning.policy
         if run.config.data.canaries:
             self.audit_delta = run.config.privacy.dp.delta
             status = run.folder / "status.json"
@@ -232,7 +247,8 @@ class MIA(Attack):
         scores = self.membership_scores(self.target, [*members, *non_members])
         is_member = [True] * len(members) + [False] * len(non_members)
         # The scores themselves are kept so that ROC curves can be drawn from the saved result.
-        result = AttackResult(self.name, details={"members": len(members), "non_members": len(non_members)},
+        result = AttackResult(self.name, details={"members": len(members), "non_members": len(non_members),
+                                                  "queried_through": self.query_policy},
                               outputs={"scores": torch.as_tensor(scores, dtype=torch.float32),
                                        "is_member": torch.tensor(is_member)})
         result.metrics.update(membership_metrics(scores, is_member))

@@ -10,7 +10,7 @@ import torch
 
 from attacks import build_attack
 from attacks.metrics import audit_epsilon
-from attacks.replay import replay
+from attacks.replay import fit_for_run, replay
 from attacks.truth import StaticTruth
 from clients.app import app as client_app
 from config import load_config
@@ -73,3 +73,22 @@ def test_the_audit_bound_of_a_dp_run_stays_below_its_accountant_s_epsilon(run_co
     assert metrics["accountant_epsilon"] == pytest.approx(2.0, abs=0.01)
     assert 0 <= metrics["audit_epsilon"] <= metrics["accountant_epsilon"]
     assert np.isfinite(metrics["auc"]) and metrics["audit_delta"] == 1e-5
+
+
+def test_membership_queries_go_through_the_run_s_pruning_policy(run_config):
+    """A client deploys its model behind its pruning policy; MIA queries it (and trains its
+    shadows) the same way, so what pruning does to membership is what it measures."""
+    raw = run_config(paradigm="fl", **{"data.canaries": 4, "threat.model": "passive", "pruning.policy": "fixed",
+                                       "pruning.ratio": 0.75})
+    folder = run(InProcessGrid(client_app, raw, 2), load_config(raw))
+    attack = fit_for_run(folder.path, "mia_loss", options={"candidates": 8, "attribute_records": 0, "progress": False})
+    data = RunData.build(load_config(raw))
+    records = [*data.canary_members, *data.canary_non_members]
+    features = torch.stack(list(attack.knowledge.features(attack.knowledge.pixel_values(records))))
+    kept = attack.query_selector(features, records).keep
+    assert all(len(indices) == 4 for indices in kept)  # 16 tiny patches, a quarter kept
+    pruned = attack.membership_scores(attack.target, records)
+    result = replay(folder.path, attack, save=False)
+    assert result.details["queried_through"] == "fixed"
+    attack.query_selector = None
+    assert not np.allclose(attack.membership_scores(attack.target, records), pruned)
