@@ -4,6 +4,7 @@
     qpriv-sweep run sims/sweeps/pruning-attacks.toml && python benchmarks/sweep_results.py pruning-attacks
     qpriv-sweep run sims/sweeps/defenses.toml && python benchmarks/sweep_results.py defenses
     qpriv-sweep run sims/sweeps/vision-edge.toml && python benchmarks/sweep_results.py vision-edge
+    qpriv-sweep run sims/sweeps/federated-privacy.toml && python benchmarks/sweep_results.py federated-privacy
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (default ~/qpriv-sweeps/<name>; --sweep) through sims/results.py, the
@@ -25,7 +26,7 @@ from sims.sweep import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
-SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge")
+SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy")
 COMMAND = "python benchmarks/sweep_results.py"
 
 
@@ -62,6 +63,9 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
         tables["puri"], tables["best_puri"] = records(puri), records(R.best_by_puri(puri))
         tables["edge_claims"] = {p: records(R.edge_claims(results, p))
                                  for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
+    elif name == "federated-privacy":
+        table = R.federated_privacy_table(results)
+        tables["federated_privacy"], tables["audit_violations"] = records(table), records(R.audit_violations(table))
     else:
         tables["pruning"] = records(R.pruning_table(results))
         tables["attacks"] = records(R.attack_table(results))
@@ -162,6 +166,8 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
                 [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
     if "edge" in tables:
         lines += _edge_sections(tables)
+    if "federated_privacy" in tables:
+        lines += _federated_privacy_sections(tables)
     return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],
                           command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
 
@@ -201,6 +207,32 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
         lines += ["", f"## Seed 002's findings, {paradigm.upper()}", "", markdown_table(
             ["claim", "paper", "measured", "verdict", "rule / reason"],
             [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in claims])]
+    return lines
+
+
+# The federated-privacy table's attack columns: (column, title, format).
+PRIVACY_COLUMNS = (("idlg_label_accuracy", "iDLG acc.", ".2f"), ("mia_attack_success", "MIA success", ".2f"),
+                   ("mia_auc", "MIA AUC", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
+                   ("mia_loss_tpr_at_fpr_0.01", "loss TPR @ 1% FPR", ".2f"), ("mia_audit_epsilon", "audit ε (MIA)", ".2f"),
+                   ("mia_loss_audit_epsilon", "audit ε (loss)", ".2f"), ("fora_psnr", "FORA dB", ".1f"))
+
+
+def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
+    """Per paradigm, policy and guarantee: accuracy, the accountant's epsilon, the attacks, and the
+    canary audit's epsilon lower bound, which must stay below the accountant's."""
+    rows = tables["federated_privacy"]
+    shown = [(key, title, spec) for key, title, spec in PRIVACY_COLUMNS if any(r.get(key) is not None for r in rows)]
+    lines = ["", "## Federated privacy", "", "Each run trained under its guarantee (privacy.dp, privacy.secagg) with "
+             "canaries in its data (data.canaries); ε: the accountant's after the last round (DP-SGD: the worst "
+             "client's). Membership: on the canaries; audit ε: the canary audit's lower bound at 95%.", "",
+             markdown_table(["paradigm", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
+                            [[r["paradigm"].upper(), r["policy"], r["privacy_setting"], percent(r["test_accuracy"]),
+                              _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown)]
+                             for r in rows])]
+    violations = tables["audit_violations"]
+    lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
+        " — " + ", ".join(f"{r['paradigm'].upper()} {r['policy']} {r['privacy_setting']}" for r in violations)
+        if violations else " (as it must be).")]
     return lines
 
 

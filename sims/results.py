@@ -55,7 +55,7 @@ STRENGTH: dict[str, dict[str | None, str]] = {
 }
 # Each attack's headline number (image attacks: PSNR in dB).
 HEADLINE = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
-            "mia": "attack_success"}
+            "mia": "attack_success", "mia_loss": "attack_success"}
 IMAGE_ATTACKS = ("fora", "fsha", "sara")
 PAPER_MIA_UNDEFENDED = 0.99
 PAPER_MIA_QPRIV = (0.76, 0.79)
@@ -131,6 +131,18 @@ def defense_setting(config: dict[str, Any]) -> str:
     return "+".join(_label(name, _options(config, name)) for name in names) if names else NO_DEFENSE
 
 
+def privacy_setting(config: dict[str, Any]) -> str:
+    """The run's guarantees: "none", "central(eps=8)", "secagg+central-client-clipping(eps=8)",
+    "sgd(z=1.1)" — privacy.dp's mode with its target epsilon (else its noise multiplier), and
+    SecAgg+ when on."""
+    parts = ["secagg"] if config.get("privacy.secagg.enabled") else []
+    mode = config.get("privacy.dp.mode", "off")
+    if mode != "off":
+        target, z = config.get("privacy.dp.target_epsilon", 0.0), config.get("privacy.dp.noise_multiplier", 0.0)
+        parts.append(f"{mode}(eps={target:g})" if target else f"{mode}(z={z:g})")
+    return "+".join(parts) if parts else NO_DEFENSE
+
+
 def defense_series(config: dict[str, Any]) -> tuple[str, float | None]:
     """A single-defense run's series (its setting without the option STRENGTH names) and that
     strength: the frontier draws one line per series along the strength."""
@@ -175,6 +187,8 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
         "policy": policy_label(config.get("pruning.policy", "off"), config.get("pruning.ratio", 0.0)),
         "defenses": "+".join(defenses) if defenses else NO_DEFENSE, "defense_setting": defense_setting(config),
         **dict(zip(("defense_series", "defense_strength"), defense_series(config), strict=True)),
+        "privacy_setting": privacy_setting(config),
+        "accountant_epsilon": (status.get("privacy_spent") or {}).get("dp_epsilon"),
         "state": status.get("state"), "error": status.get("error", ""), "rounds_done": len(rounds),
         "config": config,
     }
@@ -230,7 +244,7 @@ def load_results(*paths: str | Path) -> Results:
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
         keep = ["run", "sweep", "paradigm", "profile", "policy", "threat", "defenses", "defense_setting", "defense_series",
-                "defense_strength", "kept_tokens_mean", "test_accuracy"]
+                "defense_strength", "privacy_setting", "accountant_epsilon", "kept_tokens_mean", "test_accuracy"]
         attack_frame = attack_frame.merge(run_frame[[c for c in keep if c in run_frame]], on="run", how="left")
     return Results(run_frame, pd.DataFrame(rounds), attack_frame,
                    pd.DataFrame(incomplete, columns=["run", "folder", "reason"]))
@@ -332,6 +346,40 @@ def defense_table(results: Results) -> pd.DataFrame:
                                        "defense_setting": setting, "defenses": group["defenses"].iloc[0],
                                        "test_accuracy": group["test_accuracy"].mean()}))
     return pd.DataFrame(rows).sort_values(["paradigm", "profile", "policy", "defense_setting"]).reset_index(drop=True)
+
+
+# What the federated-privacy table reads of the membership attacks besides their headline.
+AUDIT_METRICS = ("auc", "tpr_at_fpr_0.01", "audit_epsilon")
+
+
+def federated_privacy_table(results: Results) -> pd.DataFrame:
+    """Per paradigm, policy and privacy setting (privacy.dp, privacy.secagg): test accuracy, the
+    accountant's epsilon, each attack label's headline number and, of the membership attacks, AUC,
+    TPR at 1% FPR and the canary audit's epsilon lower bound beside the accountant's."""
+    attacks = results.attacks
+    if attacks.empty or "privacy_setting" not in attacks:
+        return pd.DataFrame()
+    rows = []
+    for (paradigm, policy, setting), group in attacks.groupby(["paradigm", "policy", "privacy_setting"], dropna=False):
+        row = _headlines(group, {"paradigm": paradigm, "policy": policy, "privacy_setting": setting,
+                                 "test_accuracy": group["test_accuracy"].mean(),
+                                 "accountant_epsilon": group["accountant_epsilon"].max()})
+        for _, result in group[group["base_attack"].isin(["mia", "mia_loss"])].iterrows():
+            row.update({f"{result['attack']}_{m}": result[m] for m in AUDIT_METRICS if m in result and pd.notna(result[m])})
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values(["paradigm", "policy", "privacy_setting"]).reset_index(drop=True)
+
+
+def audit_violations(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows whose canary audit bounds epsilon above what the accountant spent: never, if the
+    accounting and the mechanisms are right."""
+    if table.empty:
+        return table
+    audits = [c for c in table.columns if c.endswith("_audit_epsilon")]
+    over = pd.Series(False, index=table.index)
+    for column in audits:
+        over |= table["accountant_epsilon"].notna() & (table[column] > table["accountant_epsilon"])
+    return table[over]
 
 
 # What the vision-edge table reads of each image attack (position_accuracy: SARA's only).
