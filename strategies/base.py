@@ -138,6 +138,37 @@ def pruning_record(content: RecordDict) -> PruningRecord:
         raise ClientFault(f"malformed pruning metrics: {error}") from error
 
 
+class GridWrapper(Grid):
+    """A grid in front of the run's grid: subclasses change what `send_and_receive` does (FL's
+    wire, SecAgg+'s tap); everything else is the inner grid's, and the one-way push and pull
+    calls, which would bypass them, are refused."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        return list(self.grid.send_and_receive(messages, timeout=timeout))
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError(f"{type(self).__name__} sends through send_and_receive only")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError(f"{type(self).__name__} receives through send_and_receive only")
+
+
 def sample_level_budget(reports: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """DP-SGD's budget as a round's metrics: the clients' reports (privacy.dp_sgd.SampleLevelDP.spent)
     of the one that has spent the most (each client's privacy is its own; the run's is the worst)."""

@@ -31,7 +31,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from pruning import PruningRecord
 from config import SimConfig
-from strategies.base import ClientFault, pruning_record, sample_level_budget
+from strategies.base import ClientFault, GridWrapper, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from strategies.dp import FederatedDP
 from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation, SecureRound
@@ -261,12 +261,13 @@ class WireFedAvg(FedAvg):
         return super().aggregate_evaluate(server_round, kept) if kept else None
 
 
-class WireGrid(Grid):
+class WireGrid(GridWrapper):
     """The run's grid with FL's wire between it and the strategy (WireFedAvg.wire_out /
     wire_in): the strategy, and any strategy wrapping it, sends and receives fp32 adapters."""
 
     def __init__(self, grid: Grid, strategy: WireFedAvg) -> None:
-        self.grid, self.strategy = grid, strategy
+        super().__init__(grid)
+        self.strategy = strategy
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         sent = self.strategy.wire_out(list(messages))
@@ -281,22 +282,3 @@ class WireGrid(Grid):
             # Aggregation comes next, and with it the DP wrapper's noise.
             self.strategy.dp.before_aggregation(round_)
         return replies
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def set_run(self, run: Any) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("FL's messages go through send_and_receive, where the wire encodes them")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("FL's replies come through send_and_receive, where the wire screens them")

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 
 from config import SimConfig
 from privacy.secagg import MODULUS_RANGE
+from strategies.base import GridWrapper
 from training import protocol
 from wire import serialized_size
 
@@ -79,12 +80,13 @@ class _LegacyRound:
         return results[0][1].parameters, {}
 
 
-class _TappedGrid(Grid):
+class _TappedGrid(GridWrapper):
     """The run's grid as the workflow sees it: every message of every stage counted per node,
     and each client's masked vector kept as it arrives."""
 
     def __init__(self, grid: Grid, result: SecureRound, clipping_range: float, quantization_range: int) -> None:
-        self.grid, self.result = grid, result
+        super().__init__(grid)
+        self.result = result
         self.clipping_range, self.quantization_range = clipping_range, quantization_range
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
@@ -103,25 +105,6 @@ class _TappedGrid(Grid):
                 # The first entry is the quantised weight factor_combine put in front of the vectors.
                 self.result.masked[node] = dequantize(masked[1:], self.clipping_range, self.quantization_range)
         return replies
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def set_run(self, run: Any) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("SecAgg+'s stages go through send_and_receive")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("SecAgg+'s stages go through send_and_receive")
 
 
 class SecureAggregation:

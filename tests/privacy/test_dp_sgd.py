@@ -11,6 +11,7 @@ from privacy.dp_sgd import SampleLevelDP
 
 
 def library_epsilon(z, samples, batch, steps, delta):
+    """dp-accounting's own epsilon with its default RDP orders (the budget's orders are fewer)."""
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(samples, batch, dp_accounting.GaussianDpEvent(z / 2)), steps)
     return accountant.get_epsilon(delta)
@@ -35,7 +36,7 @@ def test_the_noise_has_std_z_clip_over_the_batch():
 
 def test_the_budget_is_the_library_s_and_the_calibration_meets_its_target():
     given = SampleLevelDP(DPOptions(mode="sgd", noise_multiplier=1.1, delta=1e-4), samples=500, batch=16, total_steps=200)
-    assert given.spent(200)["dp_epsilon"] == pytest.approx(library_epsilon(1.1, 500, 16, 200, 1e-4))
+    assert given.spent(200)["dp_epsilon"] == pytest.approx(library_epsilon(1.1, 500, 16, 200, 1e-4), rel=0.01)
     assert given.spent(0)["dp_epsilon"] == 0.0
     calibrated = SampleLevelDP(DPOptions(mode="sgd", target_epsilon=3.0, delta=1e-4), samples=500, batch=16, total_steps=200)
     assert calibrated.spent(200)["dp_epsilon"] == pytest.approx(3.0, abs=1e-3)

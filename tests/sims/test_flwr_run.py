@@ -88,9 +88,11 @@ options = {{ iterations = 100, max_transfers = 2 }}
 
 def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home, tmp_path, assert_same_outcome):
     """Flower gives the supernodes new random ids each run; clients take turns by partition, and
-    their random defenses draw by partition, round and step, so an SL run with them repeats too."""
+    their random draws (a defense's noise, DP-SGD's batches and noise) go by partition, round and
+    step, so an SL run with them repeats too."""
     overrides = {
-        "privacy.defenses": "nopeek,noise", "privacy.noise.variance": 1e-4,
+        "privacy.defenses": "noise", "privacy.noise.variance": 1e-4,
+        "privacy.dp.mode": "sgd", "privacy.dp.noise_multiplier": 1.0, "privacy.dp.delta": 1e-3,
         "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 4, "train.rounds": 1,
         "train.steps_per_round": 2, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 1,
         "output.root": str(tmp_path),
