@@ -21,6 +21,8 @@ sweeps: setup
 	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml
 	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml
 	.venv/bin/qpriv-sweep run sims/sweeps/defenses.toml
+	.venv/bin/qpriv-sweep run sims/sweeps/federated-privacy.toml
 	.venv/bin/python benchmarks/sweep_results.py paradigms
 	.venv/bin/python benchmarks/sweep_results.py pruning-attacks
 	.venv/bin/python benchmarks/sweep_results.py defenses
+	.venv/bin/python benchmarks/sweep_results.py federated-privacy
