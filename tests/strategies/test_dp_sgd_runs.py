@@ -11,6 +11,7 @@ from clients import local, split
 from clients.app import app as client_app
 from config import ConfigError, load_config
 from strategies.app import run
+from training import protocol
 from training.batches import batch_positions
 
 
@@ -72,3 +73,31 @@ def test_dp_sgd_settings_it_cannot_honour_are_refused(overrides, key, run_config
     with pytest.raises(ConfigError) as error:
         load_config(run_config(**{"privacy.dp.mode": "sgd", "privacy.dp.noise_multiplier": 1.0, **overrides}))
     assert error.value.key == key
+
+
+class Killed(BaseException):
+    """Stands in for the server process dying."""
+
+
+def test_a_resumed_dp_sgd_run_draws_the_same_batches_and_noise_and_spends_on(run_config, fake_grid, assert_same_outcome):
+    """Killed in round 2 and resumed: each client's DP-SGD batches and noise are drawn by
+    (partition, round, step), and its budget follows its step count, so the outcome is the
+    uninterrupted run's."""
+    dp = {"paradigm": "usl", "train.rounds": 2, "train.steps_per_round": 2, "privacy.dp.mode": "sgd",
+          "privacy.dp.clip": 0.5, "privacy.dp.noise_multiplier": 1.0, "privacy.dp.delta": 1e-3}
+    straight_raw = run_config(**{**dp, "output.name": "straight"})
+    straight = run(fake_grid(client_app, straight_raw, 2), load_config(straight_raw))
+    raw = run_config(**{**dp, "output.name": "resumed"})
+    grid = fake_grid(client_app, raw, 2)
+
+    def kill_in_round_two(message, reply):
+        if message.content.config_records[protocol.CONFIG]["round"] == 2 and message.metadata.message_type == protocol.USL_HEAD:
+            raise Killed
+        return reply
+
+    grid.interceptors[2] = kill_in_round_two
+    with pytest.raises(Killed):
+        run(grid, load_config(raw))
+    resumed = run(fake_grid(client_app, raw, 2), load_config(raw))
+    assert [r["dp_epsilon"] for r in metrics(resumed)] == [r["dp_epsilon"] for r in metrics(straight)]
+    assert_same_outcome(straight.path, resumed.path)
