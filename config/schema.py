@@ -9,6 +9,7 @@ never after minutes of model loading.
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
@@ -271,6 +272,10 @@ def load_config(run_config: Mapping[str, Any]) -> SimConfig:
 
 def validate(config: SimConfig) -> None:
     """Check every value; fills the profile-default cuts and LoRA rank in place."""
+    # inf and nan pass every comparison below the wrong way (nan <= 0 is false): none is a setting.
+    for key, value in config.to_flat().items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, value, "a finite number")
     _choice("paradigm", config.paradigm, PARADIGMS)
     _choice("model.profile", config.model.profile, profile_names())
     profile = get_profile(config.model.profile)
@@ -294,9 +299,22 @@ def validate(config: SimConfig) -> None:
             "split.cut_b", split.cut_b, f"an integer in [{split.cut_a + 1}, {layers - 1}] (cut_a={split.cut_a} < cut_b < {layers})"
         )
     _choice("data.dataset", config.data.dataset, dataset_names())
+    splits = get_adapter(config.data.dataset).splits
+    _choice("data.train_split", config.data.train_split, splits)
+    _choice("data.test_split", config.data.test_split, splits)
+    if config.data.test_split == config.data.train_split:
+        raise ConfigError("data.test_split", config.data.test_split, f"a split other than data.train_split: "
+                          f"{', '.join(s for s in splits if s != config.data.train_split)} (scoring on training rows "
+                          "measures memory, not accuracy)")
     _choice("data.partition", config.data.partition, PARTITIONS)
     _at_least("data.train_limit", config.data.train_limit, 0)
     _at_least("data.test_limit", config.data.test_limit, 0)
+    _at_least("clients.count", config.clients.count, 1)
+    for key in ("train_limit", "test_limit"):
+        limit = getattr(config.data, key)
+        if 0 < limit < config.clients.count:
+            raise ConfigError(f"data.{key}", limit, f"0 (every row) or at least clients.count={config.clients.count} "
+                              "rows (each client needs a share)")
     _at_least("data.canaries", config.data.canaries, 0)
     if config.data.canaries and not config.data.train_limit:
         raise ConfigError("data.canaries", config.data.canaries, "0 unless data.train_limit > 0 (the canaries never "
@@ -306,7 +324,6 @@ def validate(config: SimConfig) -> None:
                           f"{config.data.train_limit // config.clients.count} per client")
     if config.data.alpha <= 0:
         raise ConfigError("data.alpha", config.data.alpha, "> 0")
-    _at_least("clients.count", config.clients.count, 1)
     if config.paradigm == "cl" and config.clients.count != 1:
         raise ConfigError("clients.count", config.clients.count, "1 for paradigm cl (one trainer holds all data)")
     if not 0 < config.clients.fraction_train <= 1:

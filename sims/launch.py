@@ -4,11 +4,17 @@
 the run folder's status.json and exits non-zero unless the run finished:
 
     python -m sims.launch sims/usl_easyvqa [--run-config 'train.rounds=5'] [--federation-config 'num-supernodes=2']
+    python -m sims.launch sims/usl_easyvqa --run-config my-run.toml   # a TOML file of overrides
+
+Before Flower starts, everything the run can check here is checked (`preflight`): the config's
+values, the run folder it would resume, the data it would load, the device and the number of
+SuperNodes; a problem is one line naming the key, the value and what is allowed (exit 2).
 """
 
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,12 +22,28 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from config import load_config
+from flwr.common.config import parse_config_args
+
+from config import RESUMABLE_KEYS, ConfigError, SimConfig, load_config
+from strategies.callbacks import changed_since_written, committed_round
+from training.data import RunData
+from vlm.loading import ModelNotAvailableError, locate_weights
+
+# How flwr reads one KEY=VALUE pair of --run-config (flwr.common.config.parse_config_args).
+PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+NUM_SUPERNODES = "num-supernodes"
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start; the message is one line naming what to change."""
 
 
 def app_config(app_dir: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The app's run config with `overrides` applied, as the ServerApp will see it."""
-    declared = tomllib.loads((Path(app_dir) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    project = Path(app_dir) / "pyproject.toml"
+    if not project.is_file():
+        raise LaunchError(f"{app_dir} is not a Flower App folder (no pyproject.toml); the sims are in sims/")
+    declared = tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]
     return {**declared, **(overrides or {})}
 
 
@@ -33,13 +55,90 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
-def parse_overrides(text: str) -> dict[str, Any]:
-    """`key=value other="str"` as flwr reads it (TOML values; keys may contain dots)."""
-    overrides = {}
-    for item in text.split():
-        key, _, value = item.partition("=")
-        overrides[key] = tomllib.loads(f"v = {value}")["v"]
-    return overrides
+def parse_overrides(arguments: str | list[str]) -> dict[str, Any]:
+    """--run-config as `flwr run` reads it: KEY=VALUE pairs with TOML values (a quoted string
+    may hold spaces), or one TOML file. A pair TOML cannot read, a word that is no pair, and a
+    missing or torn file are refused naming them."""
+    items = [item for item in ([arguments] if isinstance(arguments, str) else arguments) if item.strip()]
+    if len(items) == 1 and items[0].strip().endswith(".toml"):
+        path = Path(items[0].strip()).expanduser()
+        if not path.is_file():
+            raise LaunchError(f"--run-config {items[0]}: no such TOML file")
+        try:
+            return parse_config_args([str(path)])
+        except ValueError as error:  # flwr reads it with tomli, whose decode error is a ValueError
+            raise LaunchError(f"--run-config {path}: not valid TOML ({error})") from None
+    for item in items:
+        if item.strip().endswith(".toml"):
+            raise LaunchError(f"--run-config {item}: a TOML file is given alone, not beside KEY=VALUE pairs")
+        stray = PAIR.sub(" ", item).split()
+        if stray:
+            raise LaunchError(f"--run-config: {stray[0]!r} is not a KEY=VALUE pair (string values take double "
+                              'quotes: model.source="/data/my models")')
+        for key, value in PAIR.findall(item):
+            try:
+                tomllib.loads(f"v = {value}")
+            except tomllib.TOMLDecodeError:
+                raise LaunchError(f"--run-config {key}={value}: not a TOML value (strings take double quotes: "
+                                  f'{key}="{value}"; numbers and true/false none)') from None
+    return parse_config_args(items)
+
+
+def supernodes(federation_config: str) -> int | None:
+    """num-supernodes from --federation-config (None: not given)."""
+    for key, value in PAIR.findall(federation_config):
+        if key == NUM_SUPERNODES:
+            if not value.isdigit():
+                raise LaunchError(f"--federation-config {key}={value}: a positive integer")
+            return int(value)
+    return None
+
+
+def preflight(app_dir: str | Path, overrides: dict[str, Any] | None, federation_config: str = "") -> SimConfig:
+    """The run's validated config after every check this machine can make before Flower starts;
+    raises ConfigError (naming key, value, allowed), ModelNotAvailableError or LaunchError."""
+    config = load_config(app_config(app_dir, overrides))
+    nodes = supernodes(federation_config)
+    if nodes is not None and nodes != config.clients.count:
+        raise ConfigError("clients.count", config.clients.count,
+                          f"the number of SuperNodes, {NUM_SUPERNODES}={nodes} (--federation-config)")
+    _check_resume(config)
+    # Real weights (llava-1.5-7b) found locally, without loading them: ModelNotAvailableError says how to supply them.
+    locate_weights(config.model.profile, stage=config.model.stage, source=config.model.source or None)
+    if config.model.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("model.device", "cuda", "auto or cpu: this machine, where the simulation's clients "
+                              "run, has no CUDA device")
+    try:
+        RunData.build(config)
+    except ValueError as error:
+        data = config.data
+        raise LaunchError(f"run config data.dataset={data.dataset!r} data.source={data.source!r} "
+                          f"(splits {data.train_split!r}/{data.test_split!r}): {error}") from None
+    return config
+
+
+def _check_resume(config: SimConfig) -> None:
+    """What the run folder it would continue allows: its own settings, and at least its rounds."""
+    folder = config.run_folder()
+    done = committed_round(folder)
+    if not done:
+        return
+    if not config.output.resume:
+        raise ConfigError("output.resume", False, f"true to continue {folder}, which holds {done} finished "
+                          "round(s), or another output.name")
+    changed = changed_since_written(config, folder)
+    if changed:
+        written = json.loads((folder / "config.json").read_text())["config"]
+        key = changed[0]
+        raise ConfigError(key, config.to_flat()[key], f"{written.get(key)!r} as {folder} was written with (changed "
+                          f"now: {', '.join(changed)}); only {', '.join(RESUMABLE_KEYS)} may change on resume — "
+                          "or choose another output.name")
+    if config.train.rounds < done:
+        raise ConfigError("train.rounds", config.train.rounds, f">= {done}: {folder} already holds {done} finished "
+                          "rounds (raise it to extend the run)")
 
 
 def installed_tools_environment() -> dict[str, str]:
@@ -56,16 +155,17 @@ def installed_tools_environment() -> dict[str, str]:
 def launch(
     app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
-    """Run the app; returns (status.json contents, run folder, the finished `flwr run` process)."""
-    config = load_config(app_config(app_dir, overrides))
+    """Run the app after its preflight (the SuperNodes default to clients.count); returns
+    (status.json contents, run folder, the finished `flwr run` process)."""
+    config = preflight(app_dir, overrides, federation_config)
+    if supernodes(federation_config) is None:
+        federation_config = f"{NUM_SUPERNODES}={config.clients.count} {federation_config}".strip()
     folder = config.run_folder()
     status_file = folder / "status.json"
     previous = status_file.stat().st_mtime_ns if status_file.exists() else None
-    command = ["flwr", "run", str(app_dir), "--stream"]
+    command = ["flwr", "run", str(app_dir), "--stream", "--federation-config", federation_config]
     if overrides:
         command += ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())]
-    if federation_config:
-        command += ["--federation-config", federation_config]
     process = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout_s, env=installed_tools_environment()
     )
@@ -96,10 +196,16 @@ def stop_local_superlink(flwr_home: str | Path) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("app_dir")
-    parser.add_argument("--run-config", default="")
-    parser.add_argument("--federation-config", default="")
+    parser.add_argument("--run-config", action="append", default=[],
+                        help="KEY=VALUE pairs (TOML values), or one TOML file; repeatable, as for flwr run")
+    parser.add_argument("--federation-config", default="",
+                        help=f"as for flwr run; {NUM_SUPERNODES} defaults to clients.count")
     args = parser.parse_args(argv)
-    status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
+    try:
+        status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
+    except (ConfigError, LaunchError, ModelNotAvailableError) as error:
+        print(f"sims.launch: {error}", file=sys.stderr)
+        return 2
     sys.stdout.write(process.stdout)
     sys.stderr.write(process.stderr)
     print(f"\nrun folder: {folder}\nstatus: {status['state']}")

@@ -62,8 +62,7 @@ class RunFolder:
         write_json_atomically(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
 
     def committed_round(self) -> int:
-        marker = self.path / "committed.json"
-        return json.loads(marker.read_text())["round"] if marker.exists() else 0
+        return committed_round(self.path)
 
     def checkpoint_path(self, round_: int) -> Path:
         return self.path / "checkpoints" / f"round-{round_:06d}.pt"
@@ -94,6 +93,12 @@ class RunFolder:
         write_json_atomically(self.path / "status.json", status)
 
 
+def committed_round(path: Path) -> int:
+    """The last round whose checkpoint the run folder holds complete (0: none)."""
+    marker = path / "committed.json"
+    return json.loads(marker.read_text())["round"] if marker.exists() else 0
+
+
 def changed_since_written(config: SimConfig, path: Path) -> list[str]:
     """The keys whose values differ from those of the config that wrote the run folder's
     completed rounds (empty: none, or nothing to resume); resumable keys never count, nor a
@@ -101,14 +106,19 @@ def changed_since_written(config: SimConfig, path: Path) -> list[str]:
     previous = path / "config.json"
     if not previous.exists() or not (path / "committed.json").exists():
         return []
-    old = json.loads(previous.read_text())
-    if old["fingerprint"] == config.fingerprint():
+    if json.loads(previous.read_text())["fingerprint"] == config.fingerprint():
         return []
+    return written_differences(config.to_flat(), path)
+
+
+def written_differences(flat: Mapping[str, Any], path: Path) -> list[str]:
+    """The keys of `flat` (a flat run config) whose values differ from the run folder's
+    config.json; resumable keys never count, nor a key the writing build did not have that
+    is at its default."""
+    written = json.loads((path / "config.json").read_text())["config"]
     defaults = SimConfig().to_flat()
-    return sorted(
-        key for key, value in config.to_flat().items()
-        if key not in RESUMABLE_KEYS and old["config"].get(key, defaults.get(key)) != value
-    )
+    return sorted(key for key, value in flat.items()
+                  if key not in RESUMABLE_KEYS and written.get(key, defaults.get(key)) != value)
 
 
 class MetricsLog:

@@ -1,0 +1,130 @@
+"""The launcher refuses, before Flower starts and in one line naming the key, the value and what
+is allowed, every setting it can check on this machine; what passes reaches `flwr run` intact."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import load_config
+from sims import launch as L
+from sims.launch import app_config, main, parse_overrides
+from strategies.callbacks import RunFolder, write_json_atomically
+
+SIMS = Path(__file__).parents[2] / "sims"
+USL = str(SIMS / "usl_easyvqa")
+
+
+@pytest.fixture
+def no_flower(monkeypatch):
+    """Fails the test if the launcher got as far as starting `flwr run`; records the command."""
+    started = []
+
+    def run(command, **kwargs):
+        started.append(command)
+        raise AssertionError(f"flwr run started: {command}")
+
+    monkeypatch.setattr(L.subprocess, "run", run)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return started
+
+
+def refusal(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def write_run_folder(root: Path, name: str, rounds_done: int, **overrides) -> None:
+    """A run folder as a run with these overrides leaves it after `rounds_done` rounds."""
+    config = load_config(app_config(USL, {"output.root": str(root), "output.name": name, **overrides}))
+    RunFolder(config, config.run_folder())
+    write_json_atomically(config.run_folder() / "committed.json", {"round": rounds_done})
+
+
+CASES = [
+    # (--run-config, extra arguments, what the one line must say)
+    ("train.lr=inf", [], ["train.lr=inf", "a finite number"]),
+    ("data.alpha=nan", [], ["data.alpha=nan", "a finite number"]),
+    ('data.test_split="train"', [], ["data.test_split='train'", "a split other than data.train_split"]),
+    ('data.train_split="validation"', [], ["data.train_split='validation'", "train, test"]),
+    ("data.train_limit=1 clients.count=2", [], ["data.train_limit=1", "at least clients.count=2"]),
+    ("data.test_limit=2 clients.count=3", ["--federation-config", "num-supernodes=3"], ["data.test_limit=2"]),
+    ("clients.count=3", ["--federation-config", "num-supernodes=2"], ["clients.count=3", "num-supernodes=2"]),
+    ('data.dataset="vqa-rad"', [], ["data.dataset='vqa-rad'", "not in the local Hugging Face cache", "source="]),
+    ('data.dataset="vqa-rad" data.source="/no/such/copy"', [], ["'/no/such/copy'", "neither an existing path"]),
+    ("train.lrr=0.1", [], ["train.lrr=0.1", "one of the known keys"]),
+    ("train.lr=fast", [], ["train.lr=fast", "not a TOML value", 'train.lr="fast"']),
+    ("train.rounds", [], ["'train.rounds' is not a KEY=VALUE pair"]),
+    ('paradigm="sl" privacy.defenses="grad_noise"', [], ["privacy.defenses='grad_noise'", "usl only"]),
+    ("train.rounds=0", [], ["train.rounds=0", ">= 1"]),
+    ("faults.timeout_s=-1.0", [], ["faults.timeout_s=-1.0", "> 0 seconds"]),
+]
+if not torch.cuda.is_available():
+    CASES.append(('model.device="cuda"', [], ["model.device='cuda'", "no CUDA device"]))
+
+
+@pytest.mark.parametrize(("run_config", "extra", "says"), CASES, ids=[c[0] for c in CASES])
+def test_a_setting_that_cannot_run_is_refused_in_one_line_before_flower_starts(
+        run_config, extra, says, no_flower, capsys, tmp_path):
+    line = refusal(capsys, USL, "--run-config", f'{run_config} output.root="{tmp_path}"', *extra)
+    for part in says:
+        assert part in line, line
+    assert not no_flower
+
+
+def test_a_run_folder_is_continued_only_with_its_own_settings_and_at_least_its_rounds(no_flower, capsys, tmp_path):
+    write_run_folder(tmp_path, "done-3", 3, **{"train.lr": 0.001, "train.rounds": 3})
+    base = f'output.root="{tmp_path}" output.name="done-3"'
+    line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.01 train.rounds=3")
+    assert "train.lr=0.01" in line and "only train.rounds, faults.timeout_s, output.resume may change" in line
+    line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.001 train.rounds=2")
+    assert "train.rounds=2" in line and ">= 3" in line and "already holds 3 finished rounds" in line
+    line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.001 output.resume=false")
+    assert "output.resume=False" in line and "another output.name" in line
+    assert not no_flower
+
+
+def test_the_paper_sim_fails_fast_and_says_what_is_missing(no_flower, capsys, tmp_path):
+    line = refusal(capsys, str(SIMS / "usl_vqarad"), "--run-config", f'output.root="{tmp_path}"')
+    assert "llava-1.5-7b" in line and "model.source" in line
+
+
+def test_a_folder_that_is_no_app_and_a_missing_or_torn_toml_file_are_named(no_flower, capsys, tmp_path):
+    assert "is not a Flower App folder" in refusal(capsys, str(tmp_path))
+    assert "no such TOML file" in refusal(capsys, USL, "--run-config", str(tmp_path / "absent.toml"))
+    (tmp_path / "torn.toml").write_text('[train]\nlr = 0.1\nrounds = "')
+    assert f"--run-config {tmp_path / 'torn.toml'}: not valid TOML" in refusal(
+        capsys, USL, "--run-config", str(tmp_path / "torn.toml"))
+    assert "given alone" in refusal(capsys, USL, "--run-config", "train.rounds=2", "--run-config", "more.toml")
+
+
+def test_overrides_are_read_as_flwr_reads_them_quoted_spaces_and_toml_files_included(tmp_path):
+    assert parse_overrides('train.rounds=5 model.source="/data/my llava" output.resume=false') == {
+        "train.rounds": 5, "model.source": "/data/my llava", "output.resume": False}
+    assert parse_overrides(["train.rounds=5", 'output.name="a b"']) == {"train.rounds": 5, "output.name": "a b"}
+    (tmp_path / "run.toml").write_text('paradigm = "sl"\n[train]\nlr = 0.01\n[data]\ntrain_limit = 40\n')
+    assert parse_overrides(str(tmp_path / "run.toml")) == {"paradigm": "sl", "train.lr": 0.01, "data.train_limit": 40}
+
+
+def test_what_passes_reaches_flwr_run_with_one_supernode_per_client(monkeypatch, tmp_path):
+    started = []
+
+    def run(command, **kwargs):
+        started.append(command)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(L.subprocess, "run", run)
+    (tmp_path / "run.toml").write_text(f'output.root = "{tmp_path}"\noutput.name = "a run"\nclients.count = 3\n'
+                                       "data.train_limit = 30\ndata.test_limit = 9\n")
+    assert main([USL, "--run-config", str(tmp_path / "run.toml")]) == 1  # flwr wrote no status: not finished
+    command = started[0]
+    assert command[command.index("--federation-config") + 1] == "num-supernodes=3"
+    assert L.parse_overrides(command[command.index("--run-config") + 1])["output.name"] == "a run"
+    status, _, _ = L.launch(USL, {"output.root": str(tmp_path), "output.name": "x", "data.train_limit": 30,
+                                  "data.test_limit": 9}, "num-supernodes=2 client-resources-num-cpus=1")
+    assert started[-1][started[-1].index("--federation-config") + 1] == "num-supernodes=2 client-resources-num-cpus=1"
+    assert status["state"] == "unknown" and json.dumps(status)
