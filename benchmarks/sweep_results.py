@@ -7,9 +7,10 @@
     qpriv-sweep run sims/sweeps/federated-privacy.toml && python benchmarks/sweep_results.py federated-privacy
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
-Reads the sweep folder (default ~/qpriv-sweeps/<name>; --sweep) through sims/results.py, the
-loader the results notebook draws from, so the notebook's tables and these are the same
-numbers. Writes results/<name>.json (the tables, the sweep's time per run and attack, and the
+Reads the sweep folder (--sweep; default ~/qpriv-sweeps/<name>, else the sweep's archive in
+results/sweeps/<name>, which `qpriv-sweep run --archive` keeps: sims/archive.py) through
+sims/results.py, the loader the results notebook draws from, so the notebook's tables and these
+are the same numbers. Writes results/<name>.json (the tables, the sweep's time per run and attack, and the
 provenance the sweep stamped when it started: the commit its runs were made with) and renders
 results/<name>.md from it.
 """
@@ -82,7 +83,8 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
     provenance = {**starts[0], "commit": ", ".join(commits),
                   "measured": f"{starts[0]['measured']}, the first of {len(starts)} starts" if len(starts) > 1
                   else starts[0]["measured"]}
-    provenance.pop("points", None), provenance.pop("runner", None)
+    for local in ("points", "runner", "folder", "started"):
+        provenance.pop(local, None)
     return {"provenance": provenance, "starts": len(starts), "sweep": Path(stamp["file"]).name,
             # Every point a start of the sweep named: what a finished sweep holds.
             "points": len({point for start in starts for point in start.get("points", [])}),
@@ -239,15 +241,19 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=SWEEPS)
-    parser.add_argument("--sweep", type=Path, help="the sweep folder (default ~/qpriv-sweeps/<name>)")
+    parser.add_argument("--sweep", type=Path,
+                        help="the sweep folder (default ~/qpriv-sweeps/<name>, else its archive results/sweeps/<name>)")
     parser.add_argument("--load", default="", help="what else ran on the machine while the sweep ran (kept in the JSON)")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
     args = parser.parse_args()
     result_name = args.name.replace("-", "_")
     if not args.report:
-        folder = (args.sweep or Path.home() / "qpriv-sweeps" / args.name).expanduser()
-        if not (folder / SWEEP_STAMP).exists():
-            raise SystemExit(f"{folder} is not a sweep folder: run `qpriv-sweep run sims/sweeps/{args.name}.toml` first")
+        candidates = [args.sweep.expanduser()] if args.sweep else [Path.home() / "qpriv-sweeps" / args.name,
+                                                                    RESULTS / "sweeps" / args.name]
+        folder = next((c for c in candidates if (c / SWEEP_STAMP).exists()), None)
+        if folder is None:
+            raise SystemExit(f"{' nor '.join(map(str, candidates))} is a sweep folder: run "
+                             f"`qpriv-sweep run sims/sweeps/{args.name}.toml --archive results/sweeps/{args.name}` first")
         write_json(result_name, {**measure(args.name, folder), "load": args.load})
     path = render_report(read_json(result_name), RESULTS, result_name)
     print(path.read_text())

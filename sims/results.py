@@ -7,7 +7,7 @@
     results.incomplete # run folders that could not be read, and why
 
 Any folder is searched for run folders (those holding config.json), so a sweep folder, a
-folder of sweeps or single runs all load the same way. A run folder that lacks a file or
+folder of sweeps, a sweep's archive (sims/archive.py) or single runs all load the same way. A run folder that lacks a file or
 holds a torn one is listed in `incomplete` with the reason, never raised. The helpers below
 (`mia_roc`, `reconstructions`, `claims`, `defense_claims`, `edge_claims`, `defense_frontier`,
 `defense_table`) read only what a run wrote. A defended run's `defense_setting` names each defense with its
@@ -36,6 +36,7 @@ from attacks.context import ATTACK_FOLDER
 from attacks.metrics import PURI_LAMBDA, puri
 from privacy import EDGE, defense_class, parse_defense_names
 from privacy import defense_names as registered_defenses
+from sims.archive import MARKER as ARCHIVE_MARKER
 
 # Settings every table carries, from the run's resolved config.
 SETTINGS = {
@@ -85,7 +86,8 @@ def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
         if (path / "config.json").exists():
             found.append(path)
         elif path.is_dir():
-            found.extend(sorted(p.parent for p in path.rglob("config.json") if (p.parent / "checkpoints").is_dir()))
+            found.extend(sorted(p.parent for p in path.rglob("config.json")
+                                if (p.parent / "checkpoints").is_dir() or (p.parent / ARCHIVE_MARKER).is_file()))
     return list(dict.fromkeys(found))
 
 

@@ -40,7 +40,9 @@ label, details.base_attack the registered attack) and `<LABEL>.safetensors`. A
 failed run or attack is recorded with its reason and the sweep goes on; running the same
 command again skips finished runs and attack results, resumes an interrupted run and retries
 failures. Attacks whose fit reads only public data (all but FSHA) are fitted once per label
-and public setting and replayed on every run of it.
+and public setting and replayed on every run of it. With `--archive DIR` each point's results
+are also copied into DIR as they are made, and a new machine restores from DIR what it lacks
+(sims/archive.py).
 """
 
 import argparse
@@ -48,6 +50,7 @@ import fnmatch
 import itertools
 import json
 import re
+import shutil
 import sys
 import time
 import tomllib
@@ -68,11 +71,12 @@ from pruning import DTP_FILE, ORACLE_FILE
 from privacy import parse_defense_names
 from privacy.positionless import MANIFEST_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
+from sims import archive as A
 from sims.inprocess import run_in_process
 from sims.launch import app_config, launch
 from sims.privacy_cli import PositionlessPrepare, UsageError, prepare_positionless
 from sims.provenance import provenance
-from strategies.callbacks import changed_since_written, write_json_atomically
+from strategies.callbacks import changed_since_written, write_json_atomically, written_differences
 
 RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "positionless", "grid", "attacks")
@@ -134,6 +138,8 @@ class Sweep:
     dtp: PrepareSettings | None
     # Positionless edges to prepare, by label (their folders: edge_folder(label)).
     edges: dict[str, PositionlessPrepare] = field(default_factory=dict)
+    # Where each point's results are archived as they are made, and restored from (sims/archive.py).
+    archive: Path | None = None
 
     @property
     def dtp_folder(self) -> Path:
@@ -414,7 +420,9 @@ def _stamp(sweep: Sweep) -> None:
     path = sweep.folder / SWEEP_STAMP
     starts = json.loads(path.read_text()).get("starts", []) if path.exists() else []
     sweep.folder.mkdir(parents=True, exist_ok=True)
-    start = {**provenance(), "runner": sweep.runner, "points": [p.name for p in sweep.points]}
+    # The folder and the second tell apart starts that an archive merges from several machines.
+    start = {**provenance(), "runner": sweep.runner, "points": [p.name for p in sweep.points],
+             "folder": str(sweep.folder), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json_atomically(path, {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]})
 
 
@@ -426,14 +434,15 @@ def _artifact_folders(folder: Path, edges: Mapping[str, Any]) -> set[Path]:
 def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
     """DTP's artefacts and the positionless edges the points use, each prepared once."""
     prepared = False
+    # Finished points (restored from an archive among them) need no artefacts.
+    to_run = [p for p in sweep.points if run_state(p).get("state") != "finished"]
     if sweep.dtp is not None and not all((sweep.dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
-        if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in sweep.points):
+        if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in to_run):
             prepare_dtp(sweep.dtp, sweep.dtp_folder, progress=False)
             prepared = True
     for label, edge in sweep.edges.items():
         folder = sweep.edge_folder(label)
-        if (folder / MANIFEST_FILE).is_file() or not any(p.overrides.get(EDGE_ARTIFACT) == str(folder)
-                                                        for p in sweep.points):
+        if (folder / MANIFEST_FILE).is_file() or not any(p.overrides.get(EDGE_ARTIFACT) == str(folder) for p in to_run):
             continue
         log(f"positionless edge {label}: preparing into {folder}")
         prepare_positionless(folder, edge, stages=sweep.folder / "positionless" / "stages", progress=False)
@@ -443,8 +452,49 @@ def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
             point.config = _point_config(point.name, sweep.sim, point.overrides, _artifact_folders(sweep.folder, sweep.edges))
 
 
+def applicable_attacks(sweep: Sweep, point: Point) -> list[str]:
+    flat = point.config.to_flat()
+    return [plan.name for plan in sweep.attacks if plan.applies_to(flat)]
+
+
+def restore_archived(sweep: Sweep, log: Callable[[str], None] = print) -> list[str]:
+    """Copy into the sweep folder every point that the archive holds complete (its run finished,
+    every applicable attack's result) and the sweep folder has not started; a point archived
+    with other settings than the file's now is left to run again. Returns the restored points."""
+    if sweep.archive is None:
+        return []
+    A.merge_stamp(sweep.archive, sweep.folder)
+    restored = []
+    for point in sweep.points:
+        if run_state(point).get("state") != "pending" or not A.restorable(
+                sweep.archive, point.name, applicable_attacks(sweep, point)):
+            continue
+        A.restore_point(sweep.archive, point.name, sweep.folder)
+        # Against the point's overrides, not its config: one whose artefacts (DTP's, an edge's)
+        # are not prepared yet was validated without them.
+        changed = written_differences({**point.config.to_flat(), **point.overrides}, point.folder)
+        if changed:
+            shutil.rmtree(point.folder)
+            sweep.point_record(point).unlink(missing_ok=True)
+            log(f"{point.name}: not restored from {sweep.archive}: archived with another value of "
+                f"{', '.join(changed)}; it runs again")
+            continue
+        restored.append(point.name)
+    return restored
+
+
+def _save(sweep: Sweep, point: Point, record: dict[str, Any]) -> None:
+    """The point's record, and with an archive, its results so far (once its run finished)."""
+    _write_record(sweep, point, record)
+    if sweep.archive is not None and run_state(point).get("state") == "finished":
+        A.archive_point(sweep.folder, point.name, sweep.archive)
+
+
 def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, str]:
     """Run every point and replay its attacks; returns each point's final state."""
+    restored = restore_archived(sweep, log)
+    if restored:
+        log(f"restored {len(restored)} point(s) from {sweep.archive}")
     _stamp(sweep)
     _prepare_artifacts(sweep, log)
     fitted: dict[tuple[str, str], Attack] = {}
@@ -459,7 +509,7 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
             status = _run_point(sweep, point)
             record["run"] = {k: status.get(k) for k in ("state", "error_type", "error") if k in status}
             record["run"]["seconds"] = time.perf_counter() - started
-            _write_record(sweep, point, record)
+            _save(sweep, point, record)
             if status.get("state") != "finished":
                 log(f"{point.name}: run {status.get('state')}: {_reason(status)}")
                 states[point.name] = "failed"
@@ -493,8 +543,8 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
                 attacks[plan.name] = {"state": "failed", **made, "error_type": type(error).__name__,
                                       "error": str(error), "traceback": traceback.format_exc()[-4000:]}
                 log(f"{point.name}: {plan.name} failed: {type(error).__name__}: {error}")
-            _write_record(sweep, point, record)
-        _write_record(sweep, point, record)
+            _save(sweep, point, record)
+        _save(sweep, point, record)
         failed = [name for name, a in attacks.items() if a.get("state") == "failed"]
         states[point.name] = "attacks failed" if failed else "finished"
     return states
@@ -514,7 +564,7 @@ def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
     rows = []
     for point in sweep.points:
         status, record = run_state(point), read_record(sweep, point)
-        applicable = [p.name for p in sweep.attacks if p.applies_to(point.config.to_flat())]
+        applicable = applicable_attacks(sweep, point)
         failed = [a for a in applicable
                   if record.get("attacks", {}).get(a, {}).get("state") == "failed" and not attack_done(point, a)]
         done = status.get("rounds") if status.get("state") == "finished" else status.get("round", 0)
@@ -561,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--points", action="append", metavar="PATTERN",
                              help="only the points whose run names match this shell pattern; repeatable")
         if name == "run":
+            command.add_argument("--archive", type=Path, metavar="DIR",
+                                 help="copy each point's results into DIR as they are made, and restore from DIR the "
+                                      "points this machine lacks (e.g. results/sweeps/<file stem>; sims/archive.py)")
             command.add_argument("--runner", choices=RUNNERS,
                                  help="flwr: each run through `flwr run` (default); inprocess: the same apps in this process")
             command.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -579,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep folder: {sweep.folder}")
         _print_table(status_rows(sweep))
         return 0
-    print(f"sweep folder: {sweep.folder} ({len(sweep.points)} points, runner {sweep.runner})")
+    sweep.archive = args.archive
+    print(f"sweep folder: {sweep.folder} ({len(sweep.points)} points, runner {sweep.runner})"
+          + (f", archived in {sweep.archive}" if sweep.archive else ""))
     states = run_sweep(sweep, progress=not args.no_progress)
     failed = {name: state for name, state in states.items() if state != "finished"}
     print(f"{len(states) - len(failed)} of {len(states)} points finished" +

@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
 from attacks.metrics import puri
+from sims import archive as A
 from sims import results as R
-from sims.sweep import SweepError, load_sweep, run_sweep, status_rows
+from sims.sweep import SweepError, load_sweep, restore_archived, run_sweep, status_rows
 from sims.sweep import main as sweep_main
 
 REPOSITORY = Path(__file__).parents[2]
@@ -398,3 +400,56 @@ def test_puri_reads_each_defended_image_attack_against_its_undefended_run(smoke)
     assert row["puri"] == pytest.approx(expected) and 0 <= row["puri"] <= 1
     best = R.best_by_puri(table)
     assert len(best) == len(best[["paradigm", "policy", "attack", "defense_series"]].drop_duplicates())
+
+
+def test_an_archived_sweep_goes_on_on_a_new_machine_from_its_archive(smoke, tmp_path, monkeypatch):
+    sweep, _ = smoke
+    archive = tmp_path / "archive"
+    # Started again with an archive, the finished sweep runs nothing and archives every point.
+    again = load_sweep(SMOKE, out=sweep.folder)
+    again.archive = archive
+    assert set(run_sweep(again, progress=False).values()) == {"finished"}
+    assert sorted(p.name for p in (archive / "runs").iterdir()) == sorted(p.name for p in sweep.points)
+    assert sorted(p.stem for p in (archive / "points").iterdir()) == sorted(p.name for p in sweep.points)
+    assert not list(archive.rglob("checkpoints")) and not list(archive.rglob("recording"))
+    assert all(p.stat().st_size <= A.MAX_OUTPUT_BYTES for p in archive.rglob("*.safetensors"))
+    # The archive reads as the sweep folder does: the same tables.
+    here, there = R.load_results(sweep.folder), R.load_results(archive)
+    assert there.incomplete.empty and len(there.runs) == len(sweep.points)
+    columns = ["paradigm", "defense_setting", "test_accuracy", "fora_psnr", "actinv_token_recall"]
+    pd.testing.assert_frame_equal(R.defense_table(here)[columns], R.defense_table(there)[columns])
+
+    # A new machine (another sweep folder) restores every point and runs, fits and prepares nothing.
+    def untouchable(*args, **kwargs):
+        raise AssertionError("a restored point ran again")
+
+    for name in ("_run_point", "replay", "fit_for_run", "prepare_dtp"):
+        monkeypatch.setattr(f"sims.sweep.{name}", untouchable)
+    fresh = load_sweep(SMOKE, out=tmp_path / "new-machine")
+    fresh.archive = archive
+    logged = []
+    assert set(run_sweep(fresh, progress=False, log=logged.append).values()) == {"finished"}
+    assert logged[0] == f"restored {len(sweep.points)} point(s) from {archive}"
+    point = fresh.points[0]
+    assert json.loads((point.folder / "config.json").read_text())["config"]["output.root"] == str(fresh.folder / "runs")
+    # Both stamps name every machine's starts, the first machine's first.
+    starts = json.loads((fresh.folder / "sweep.json").read_text())["starts"]
+    assert starts == json.loads((archive / "sweep.json").read_text())["starts"]
+    assert starts[:-1] == json.loads((sweep.folder / "sweep.json").read_text())["starts"]
+    assert R.load_results(fresh.folder).runs["test_accuracy"].tolist() == here.runs["test_accuracy"].tolist()
+
+    # Not restored: a point the archive holds in part (an attack missing), and one archived with
+    # other settings than the file's now (it runs again, saying why).
+    partial, stale = [p for p in sweep.points if p.config.threat.model == "passive"][:2]
+    next((archive / "runs" / partial.name / "attacks").glob("*.json")).unlink()
+    written = json.loads((archive / "runs" / stale.name / "config.json").read_text())
+    written["config"]["train.lr"] = 0.5
+    (archive / "runs" / stale.name / "config.json").write_text(json.dumps(written))
+    third = load_sweep(SMOKE, out=tmp_path / "third-machine")
+    third.archive = archive
+    logged = []
+    restored = restore_archived(third, log=logged.append)
+    assert partial.name not in restored and stale.name not in restored
+    assert len(restored) == len(sweep.points) - 2
+    assert logged == [f"{stale.name}: not restored from {archive}: archived with another value of train.lr; it runs again"]
+    assert not (third.folder / "runs" / stale.name).exists() and not (third.folder / "runs" / partial.name).exists()
