@@ -11,6 +11,7 @@ Each attack module ends with `register_attack(TheAttack)`; the replay command an
 """
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -86,12 +87,8 @@ class Attack(ABC):
         return False
 
     def __init__(self, knowledge: AttackerKnowledge, **options: Any) -> None:
-        allowed = {f.name for f in fields(self.Options)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise TypeError(f"{self.name}: unknown options {unknown}; allowed: {sorted(allowed)}")
         self.knowledge = knowledge
-        self.options = self.Options(**options)
+        self.options = checked_options(self.name, self.Options, options)
 
     @classmethod
     def options_from_run(cls, config: "SimConfig") -> dict[str, Any]:
@@ -114,6 +111,37 @@ class Attack(ABC):
     @abstractmethod
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         """Attack what the recording holds; score against `truth` when given."""
+
+
+class AttackOptionError(ValueError):
+    """An attack option that is unknown or not allowed; the message names it, its value and what is allowed."""
+
+
+def checked_options(attack: str, options_class: type, options: Mapping[str, Any]) -> Any:
+    """The attack's Options from `options`, each of its default's kind. Every number an attack
+    takes is a count, a rate, a weight or a seed: none is negative, infinite or nan."""
+    declared = {f.name: f for f in fields(options_class)}
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        raise AttackOptionError(f"{attack}: unknown option {unknown[0]!r}; allowed: {', '.join(declared)}")
+    for name, value in options.items():
+        default = declared[name].default
+        if isinstance(default, str) and not isinstance(value, str):
+            raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: a string like its "
+                                    f"default {default!r}")
+        if isinstance(default, bool) or isinstance(value, bool):
+            if not isinstance(value, bool) or not isinstance(default, bool):
+                raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: "
+                                        f"{'true or false' if isinstance(default, bool) else 'a number'}")
+        elif isinstance(value, (int, float)):
+            if isinstance(default, int) and not isinstance(value, int):
+                raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: an integer >= 0")
+            if not (math.isfinite(value) and value >= 0):
+                raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: a finite number >= 0")
+        elif isinstance(default, (int, float)):
+            raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: a number like its "
+                                    f"default {default!r}")
+    return options_class(**options)
 
 
 _ATTACKS: dict[str, type[Attack]] = {}

@@ -6,16 +6,20 @@
 
 Option values are JSON where they parse as JSON (numbers, booleans, lists), strings
 otherwise. The result (metrics, details; reconstructions as safetensors) goes to
-`<run>/attacks/` unless --out says otherwise, and its metrics are printed.
+`<run>/attacks/` unless --out says otherwise, and its metrics are printed. A missing run
+folder or recording and an option the attack does not allow are refused in one line (exit 2)
+before anything is fitted.
 """
 
 import argparse
 import json
 import sys
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
-from attacks.base import attack_class, available_attacks
+from attacks.base import AttackOptionError, attack_class, available_attacks, checked_options
+from attacks.recording import Recording
 from attacks.replay import replay
 
 
@@ -35,6 +39,15 @@ def _node_partition(text: str) -> tuple[int, int]:
     if not separator or not node.isdigit() or not partition.isdigit():
         raise argparse.ArgumentTypeError(f"--node-partition takes NODE_ID=PARTITION_ID, got {text!r}")
     return int(node), int(partition)
+
+
+def _check_run(run_folder: str, attack: str, options: dict[str, Any]) -> None:
+    """What the replay needs, checked before it fits anything: the options, the folder, its recording."""
+    checked_options(attack, attack_class(attack).Options, options)
+    folder = Path(run_folder).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no run folder at {folder}")
+    Recording.open(folder)
 
 
 def _describe(name: str) -> str:
@@ -65,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print("\n".join(_describe(name) for name in available_attacks()))
         return 0
+    try:
+        _check_run(args.run_folder, args.attack, dict(args.option))
+    except (AttackOptionError, FileNotFoundError, ValueError) as error:
+        print(f"python -m attacks: {error}", file=sys.stderr)
+        return 2
     result = replay(
         args.run_folder, args.attack, options=dict(args.option), aux_limit=args.aux_limit,
         node_partitions=dict(args.node_partition) or None, partition=args.partition, output=args.out,

@@ -111,3 +111,21 @@ def test_the_server_counts_each_sample_s_visual_rows_when_pruning_or_the_edge_re
     """An unpruned run whose edge drops or merges tokens sends fewer than N visual rows: the attacks
     (and a hijacking server) must locate them as under pruning, not take the first N rows."""
     assert fewer_visual_rows(config) is fewer
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["fora", "-o", "decoder_steps=-5"], "fora: option decoder_steps=-5 is not allowed; allowed: a finite number >= 0"),
+    (["actinv", "-o", "iterations=2.5"], "actinv: option iterations=2.5 is not allowed; allowed: an integer >= 0"),
+    (["actinv", "-o", "lr=NaN"], "actinv: option lr=nan is not allowed"),
+    (["actinv", "-o", "progress=1"], "actinv: option progress=1 is not allowed; allowed: true or false"),
+    (["actinv", "-o", "nearest=3"], "actinv: option nearest=3 is not allowed; allowed: a string like its default 'l2'"),
+    (["sara", "-o", "tpp_epoch=3"], "sara: unknown option 'tpp_epoch'; allowed: keep_ratios, shuffle"),
+    (["mia"], "no run folder at"),
+    (["mia", "--here"], "neither a recording"),
+], ids=["negative", "fraction", "nan", "bool", "string", "unknown", "no-folder", "no-recording"])
+def test_the_attack_cli_refuses_in_one_line_before_it_fits_anything(argv, says, tmp_path, capsys):
+    folder = tmp_path if "--here" in argv else tmp_path / "absent"
+    attack, *options = [a for a in argv if a != "--here"]
+    assert main(["run", str(folder), attack, *options]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
