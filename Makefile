@@ -18,10 +18,10 @@ mini-targets: setup
 
 sweeps: setup
 	.venv/bin/qpriv-mini build
-	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml
-	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml
-	.venv/bin/qpriv-sweep run sims/sweeps/defenses.toml
-	.venv/bin/qpriv-sweep run sims/sweeps/federated-privacy.toml
+	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml --archive results/sweeps/paradigms
+	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml --archive results/sweeps/pruning-attacks
+	.venv/bin/qpriv-sweep run sims/sweeps/defenses.toml --archive results/sweeps/defenses
+	.venv/bin/qpriv-sweep run sims/sweeps/federated-privacy.toml --archive results/sweeps/federated-privacy
 	.venv/bin/python benchmarks/sweep_results.py paradigms
 	.venv/bin/python benchmarks/sweep_results.py pruning-attacks
 	.venv/bin/python benchmarks/sweep_results.py defenses
