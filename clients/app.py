@@ -29,8 +29,7 @@ from clients.runtime import ClientRuntime, client_runtime
 from clients.sl import SLClient
 from clients.split import SplitClient
 from clients.usl import USLClient
-from config.schema import dp_federation
-from privacy.dp import CENTRAL_CLIENT_CLIPPING, LOCAL, local_dp_epsilon, noise_multiplier, seed_numpy
+from privacy.dp import CENTRAL_CLIENT_CLIPPING, LOCAL, local_dp_epsilon, seed_numpy
 from training import protocol
 from training.model import make_optimizer
 from vlm.lora import load_owner_state_dict, owner_state_dict
@@ -207,10 +206,9 @@ def fl_dp_mod(message: Message, context: Context, call_next: ClientAppCallable) 
         return call_next(message, context)
     if options.mode == CENTRAL_CLIENT_CLIPPING:
         return fixedclipping_mod(message, context, call_next)
-    z = noise_multiplier(options, dp_federation(rt.config))
     partition = int(context.node_config.get(protocol.PARTITION_ID, 0))
     seed_numpy("local-dp", rt.config.privacy.seed, partition, int(_config(message)["round"]))
-    local_dp = LocalDpMod(options.clip, options.clip, local_dp_epsilon(z, options.delta), options.delta)
+    local_dp = LocalDpMod(options.clip, options.clip, local_dp_epsilon(rt.local_dp_noise, options.delta), options.delta)
     return local_dp(message, context, call_next)
 
 

@@ -25,10 +25,11 @@ import torch
 from flwr.app import Context
 
 from privacy import DefenseChain, OptionError
-from privacy.dp import SGD
+from privacy.dp import LOCAL, SGD, noise_multiplier
 from privacy.dp_sgd import SampleLevelDP
 from pruning import VisualTokenSelector
 from config import ConfigError, SimConfig, load_config
+from config.schema import dp_federation
 from training import protocol
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
@@ -90,6 +91,8 @@ class ClientRuntime:
     kept_front: KeptFront | None = None
     # DP-SGD (privacy.dp.mode = "sgd"): this client's noise multiplier and budget.
     dp_sgd: SampleLevelDP | None = None
+    # Local DP (privacy.dp.mode = "local"): the noise multiplier of every update, calibrated once.
+    local_dp_noise: float = 0.0
 
     def dp_generator(self, round_: int, segment: str) -> torch.Generator:
         """DP-SGD's noise for this client's current step on `segment`, seeded like the defenses'
@@ -288,6 +291,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         owned=owned,
         adapter=adapter,
         dp_sgd=sample_level_dp(config, len(train)),
+        local_dp_noise=noise_multiplier(config.privacy.dp, dp_federation(config)) if config.privacy.dp.mode == LOCAL else 0.0,
     )
 
 

@@ -25,6 +25,7 @@ What is accounted, and why that way:
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,29 +144,27 @@ class Federation:
         return options.clipped_count_stddev or self.sampled / 20
 
 
-def _rounds_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
-    accountant = dp_accounting.rdp.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    )
-    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), rounds)
-    return accountant.get_epsilon(delta)
+def calibrate(make_accountant: Callable[[], dp_accounting.PrivacyAccountant], event: Callable[[float], dp_accounting.DpEvent],
+              target_epsilon: float, delta: float, bracket: tuple[float, float], budget: str) -> float:
+    """The smallest noise multiplier in `bracket` whose `event` spends at most (target_epsilon,
+    delta) on a fresh accountant, by dp-accounting's calibration; OptionError naming the
+    `budget` ("3 rounds") when even the bracket's most noise spends more."""
+    low, high = bracket
+    spent = make_accountant().compose(event(high)).get_epsilon(delta)
+    if spent > target_epsilon:
+        raise OptionError("target_epsilon", target_epsilon, f"a budget {budget} can meet with noise multiplier <= "
+                          f"{high:g} at delta={delta:g} (that much noise spends epsilon={spent:.3g})")
+    return float(dp_accounting.calibrate_dp_mechanism(
+        make_accountant, event, target_epsilon, delta, dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4))
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int) -> float:
     """The smallest z whose `rounds` Gaussian releases spend at most (target_epsilon, delta),
     by dp-accounting's calibration over its RDP accountant (the one that keeps the budget)."""
-    low, high = _CALIBRATION_RANGE
-    if _rounds_epsilon(high, rounds, delta) > target_epsilon:
-        raise OptionError(
-            "target_epsilon", target_epsilon,
-            f"a budget {rounds} rounds can meet with noise multiplier <= {high:g} at delta={delta:g} "
-            f"(that much noise spends epsilon={_rounds_epsilon(high, rounds, delta):.3g})",
-        )
-    return float(dp_accounting.calibrate_dp_mechanism(
+    return calibrate(
         lambda: dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE),
         lambda z: dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), rounds),
-        target_epsilon, delta, dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4,
-    ))
+        target_epsilon, delta, _CALIBRATION_RANGE, f"{rounds} rounds")
 
 
 def noise_multiplier(options: DPOptions, federation: Federation) -> float:

@@ -37,7 +37,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 import dp_accounting
 
 from privacy.base import OptionError
-from privacy.dp import DPOptions
+from privacy.dp import DPOptions, calibrate
 
 _CALIBRATION_RANGE = (1e-2, 1e3)
 # The RDP orders both the calibration and the budget use. The sampled-without-replacement bound
@@ -71,16 +71,8 @@ class SampleLevelDP:
         self.noise_multiplier = options.noise_multiplier or self._calibrate(options.target_epsilon, total_steps)
 
     def _calibrate(self, target: float, steps: int) -> float:
-        low, high = _CALIBRATION_RANGE
-        delta = self.options.delta
-        spent = _accountant().compose(_event(high, self.samples, self.batch, steps)).get_epsilon(delta)
-        if spent > target:
-            raise OptionError("target_epsilon", target, f"a budget {steps} steps can meet with noise multiplier <= {high:g} "
-                              f"(that much noise spends epsilon={spent:.3g})")
-        return float(dp_accounting.calibrate_dp_mechanism(
-            _accountant, lambda z: _event(z, self.samples, self.batch, steps), target, delta,
-            dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4,
-        ))
+        return calibrate(_accountant, lambda z: _event(z, self.samples, self.batch, steps), target, self.options.delta,
+                         _CALIBRATION_RANGE, f"{steps} steps")
 
     def spent(self, steps: int) -> dict[str, float]:
         """The client's budget after `steps` DP-SGD steps, by Flower's RDP accountant."""

@@ -20,7 +20,8 @@ def library_epsilon(noise_multiplier, releases, delta):
     ({"privacy.dp.mode": "central", "privacy.dp.noise_multiplier": 1.0, "privacy.dp.target_epsilon": 4.0},
      "privacy.dp.noise_multiplier"),
     ({"privacy.dp.mode": "central", "privacy.dp.noise_multiplier": 1.0, "privacy.dp.delta": 0.5}, "privacy.dp.delta"),
-    ({"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 1.0, "clients.count": 10, "privacy.dp.delta": 0.1},
+    ({"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 1.0, "clients.count": 10, "data.test_limit": 10,
+      "privacy.dp.delta": 0.1},
      "privacy.dp.delta"),
     ({"privacy.dp.mode": "central", "privacy.dp.target_epsilon": 1e-3, "train.rounds": 1000}, "privacy.dp.target_epsilon"),
     # Two clients give the clipped count a noise of 0.1: too little room for the update noise.
