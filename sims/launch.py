@@ -1,7 +1,8 @@
 """Run a simulation with `flwr run` and report what its run folder says.
 
 `flwr run --stream` exits 0 even when the ServerApp failed, so this wrapper reads
-the run folder's status.json and exits non-zero unless the run finished:
+the run folder's status.json and exits non-zero unless the run finished (1), or when it
+finished without every client (3, unless --allow-partial):
 
     python -m sims.launch sims/usl_easyvqa [--run-config 'train.rounds=5'] [--federation-config 'num-supernodes=2']
     python -m sims.launch sims/usl_easyvqa --run-config my-run.toml   # a TOML file of overrides
@@ -25,7 +26,7 @@ from typing import Any
 from flwr.common.config import parse_config_args
 
 from config import RESUMABLE_KEYS, ConfigError, SimConfig, load_config
-from strategies.callbacks import changed_since_written, committed_round
+from strategies.callbacks import LIVE_STATES, changed_since_written, committed_round
 from training.data import RunData
 from vlm.loading import ModelNotAvailableError, locate_weights
 
@@ -173,6 +174,10 @@ def launch(
         status = {"state": "unknown", "error": f"the run wrote no status to {status_file}; flwr said:\n{process.stdout[-3000:]}{process.stderr[-3000:]}"}
     else:
         status = json.loads(status_file.read_text())
+        if status.get("state") in LIVE_STATES:
+            status = {**status, "state": "stopped", "error_type": "ServerStopped",
+                      "error": f"flwr run returned while the run still said {status['state']!r}: its server was "
+                               "killed or stopped (`flwr stop`); run the same command again to resume it"}
     return status, folder, process
 
 
@@ -200,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="KEY=VALUE pairs (TOML values), or one TOML file; repeatable, as for flwr run")
     parser.add_argument("--federation-config", default="",
                         help=f"as for flwr run; {NUM_SUPERNODES} defaults to clients.count")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="exit 0 for a finished run that some client's faults left incomplete (status.json's "
+                             "complete, failed_partitions, test_share)")
     args = parser.parse_args(argv)
     try:
         status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
@@ -212,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if status["state"] != "finished":
         print(f"reason: {status.get('error_type', '')}: {status.get('error', '')}", file=sys.stderr)
         return 1
+    if status.get("complete") is False:
+        share = status.get("test_share")
+        print(f"incomplete: partitions left out by faults, per round: {status.get('failed_partitions')}; test set "
+              f"scored: {'unknown' if share is None else f'{share:.0%}'} (metrics.jsonl's faults say why)"
+              + ("" if args.allow_partial else "; --allow-partial accepts such a run"), file=sys.stderr)
+        return 0 if args.allow_partial else 3
     return 0
 
 

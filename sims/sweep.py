@@ -76,7 +76,7 @@ from sims.inprocess import run_in_process
 from sims.launch import app_config, launch
 from sims.privacy_cli import PositionlessPrepare, UsageError, prepare_positionless
 from sims.provenance import provenance
-from strategies.callbacks import changed_since_written, write_json_atomically, written_differences
+from strategies.callbacks import changed_since_written, is_stale, write_json_atomically, written_differences
 
 RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "positionless", "grid", "attacks")
@@ -570,7 +570,7 @@ def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
         done = status.get("rounds") if status.get("state") == "finished" else status.get("round", 0)
         rows.append({
             "point": point.name,
-            "run": status.get("state"),
+            "run": f"{status.get('state')} (no heartbeat: its process died)" if is_stale(status) else status.get("state"),
             "round": f"{done}/{point.config.train.rounds}",
             "attacks done": ",".join(a for a in applicable if attack_done(point, a)) or "-",
             "failed": ",".join(failed) or "-",

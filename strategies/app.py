@@ -17,7 +17,8 @@ from flwr.serverapp import Grid, ServerApp
 from config import SimConfig, load_config
 from strategies.adversarial import FSHAHijack, subscribe_recorder
 from strategies.base import RoundStrategy, federation_partitions
-from strategies.callbacks import Checkpointer, MetricsLog, RunCallback, RunFolder, StatusReporter, failure_details
+from strategies.callbacks import (Checkpointer, Heartbeat, MetricsLog, RunCallback, RunFolder, StatusReporter,
+                                  failure_details, participation)
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, WireGrid
 from strategies.split import SLStrategy, USLStrategy
@@ -53,6 +54,11 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
     """Run (or resume) the simulation `config` describes on `grid`; returns its folder."""
     folder = RunFolder(config, config.run_folder())
     folder.write_status("starting")
+    with Heartbeat(folder):
+        return _run(grid, config, folder)
+
+
+def _run(grid: Grid, config: SimConfig, folder: RunFolder) -> RunFolder:
     try:
         started = time.perf_counter()
         wire = Wire(config.wire.dtype)
@@ -97,12 +103,21 @@ def run(grid: Grid, config: SimConfig) -> RunFolder:
             strategy.run(grid, list(partitions), first_round, num_rounds)
         folder.write_status(
             "finished", rounds=num_rounds, resumed_from=first_round - 1, wall_s=time.perf_counter() - started,
-            **reporter.spent,
+            **reporter.spent, **participation(folder, test_rows(config)),
         )
     except BaseException as error:
         folder.write_status("failed", **failure_details(error))
         raise
     return folder
+
+
+def test_rows(config: SimConfig) -> int | None:
+    """The rows of the run's test split its clients score together (None: this server cannot
+    load the clients' data, as in a deployment that keeps it on the nodes)."""
+    try:
+        return len(RunData.build(config).test_all)
+    except (OSError, ValueError):
+        return None
 
 
 @app.main()

@@ -11,6 +11,7 @@ the server's threat model and the defenses its clients applied) — the truth th
 
 import json
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +27,11 @@ from training.protocol import NODE_PARTITIONS_FILE
 
 
 CANARIES_FILE = "canaries.json"
+# States of a run whose server is at work; its status.json's heartbeat is renewed every
+# HEARTBEAT_S, and one older than STALE_AFTER_S means the server died without saying so.
+LIVE_STATES = ("starting", "running")
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 4 * HEARTBEAT_S
 
 
 def write_json_atomically(path: Path, data: Any) -> None:
@@ -45,6 +51,9 @@ class RunFolder:
     def __init__(self, config: SimConfig, path: Path) -> None:
         self.path = path
         self.config = config
+        # The status last written, and a lock so that the heartbeat never writes an older one over it.
+        self.status: dict[str, Any] = {}
+        self._status_lock = threading.Lock()
         path.mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)
         previous = path / "config.json"
@@ -88,9 +97,49 @@ class RunFolder:
                                                           "non_members": rows(data.canary_non_members)})
 
     def write_status(self, state: str, **details: Any) -> None:
-        status = {"state": state, "time": time.time(), "threat_model": self.config.threat.model,
-                  "defenses": describe_defenses(self.config), "dp": describe_dp(self.config), **details}
-        write_json_atomically(self.path / "status.json", status)
+        now = time.time()
+        with self._status_lock:
+            self.status = {"state": state, "time": now, "heartbeat": now, "threat_model": self.config.threat.model,
+                           "defenses": describe_defenses(self.config), "dp": describe_dp(self.config), **details}
+            write_json_atomically(self.path / "status.json", self.status)
+
+    def beat(self) -> None:
+        """A live run's status.json gets a fresh `heartbeat` time (a state that ended keeps its own)."""
+        with self._status_lock:
+            if self.status.get("state") in LIVE_STATES:
+                self.status["heartbeat"] = time.time()
+                write_json_atomically(self.path / "status.json", self.status)
+
+
+class Heartbeat:
+    """Beats the run folder's status every `every` seconds while the server runs, so a reader can
+    tell a run that is working from one whose server died ("running" forever): `is_stale`."""
+
+    def __init__(self, folder: RunFolder, every: float = HEARTBEAT_S) -> None:
+        self.folder, self.every = folder, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qpriv-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.folder.beat()
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def is_stale(status: Mapping[str, Any], now: float | None = None) -> bool:
+    """A status that says its run is live but has not beaten for STALE_AFTER_S: its server died
+    (killed, `flwr stop`) without writing an end."""
+    if status.get("state") not in LIVE_STATES:
+        return False
+    last = status.get("heartbeat", status.get("time", 0))
+    return (time.time() if now is None else now) - last > STALE_AFTER_S
 
 
 def committed_round(path: Path) -> int:
@@ -166,6 +215,20 @@ class StatusReporter:
     def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
         self.spent = privacy_spent(metrics)
         self.folder.write_status("running", round=round_, rounds=self.num_rounds, **self.spent)
+
+
+def participation(folder: RunFolder, test_rows: int | None) -> dict[str, Any]:
+    """Who took part, from metrics.jsonl: per round the partitions (by nodes.json) that a fault
+    left out, the share of the `test_rows` the last scored round scored (None: not known or never
+    scored), and `complete`: no client left out and every test row scored."""
+    log, nodes_file = folder.path / "metrics.jsonl", folder.path / NODE_PARTITIONS_FILE
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    nodes = json.loads(nodes_file.read_text()) if nodes_file.exists() else {}
+    failed = {str(r["round"]): sorted({nodes.get(str(f["client"]), f["client"]) for f in r["faults"]})
+              for r in records if r.get("faults")}
+    scored = [r["test_count"] for r in records if r.get("test_count") is not None]
+    share = scored[-1] / test_rows if scored and test_rows else None
+    return {"complete": not failed and (share is None or share >= 1), "failed_partitions": failed, "test_share": share}
 
 
 def privacy_spent(metrics: dict[str, Any]) -> dict[str, Any]:

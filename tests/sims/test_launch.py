@@ -128,3 +128,16 @@ def test_what_passes_reaches_flwr_run_with_one_supernode_per_client(monkeypatch,
                                   "data.test_limit": 9}, "num-supernodes=2 client-resources-num-cpus=1")
     assert started[-1][started[-1].index("--federation-config") + 1] == "num-supernodes=2 client-resources-num-cpus=1"
     assert status["state"] == "unknown" and json.dumps(status)
+
+
+@pytest.mark.parametrize(("status", "allow", "code"), [
+    ({"state": "finished", "complete": True}, False, 0),
+    ({"state": "finished", "complete": False, "failed_partitions": {"2": [1]}, "test_share": 0.5}, False, 3),
+    ({"state": "finished", "complete": False, "failed_partitions": {"2": [1]}, "test_share": 0.5}, True, 0),
+    ({"state": "failed", "error_type": "RuntimeError", "error": "boom"}, True, 1),
+], ids=["complete", "partial", "partial-allowed", "failed"])
+def test_the_exit_code_says_whether_the_run_finished_with_every_client(status, allow, code, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(L, "launch", lambda *args, **kwargs: (status, tmp_path, subprocess.CompletedProcess([], 0, "", "")))
+    assert main([USL, *(["--allow-partial"] if allow else [])]) == code
+    if status.get("complete") is False:
+        assert "partitions left out by faults, per round: {'2': [1]}; test set scored: 50%" in capsys.readouterr().err

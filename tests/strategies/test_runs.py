@@ -35,6 +35,7 @@ def test_a_run_records_every_round(paradigm, trips_per_step, run_config, fake_gr
     records = metrics(folder)
     assert [r["round"] for r in records] == [1, 2]
     assert status(folder)["state"] == "finished"
+    assert (status(folder)["complete"], status(folder)["failed_partitions"], status(folder)["test_share"]) == (True, {}, 1)
     assert all(r["train_loss"] > 0 and r["wall_s"] > 0 and r["faults"] == [] for r in records)
     assert "test_accuracy" not in records[0] and 0 <= records[1]["test_accuracy"] <= 1
     assert records[1]["test_count"] == 6
@@ -90,7 +91,7 @@ def test_a_resumed_run_refuses_a_changed_config(run_config, fake_grid):
 
 @pytest.mark.parametrize("paradigm", ["usl", "sl"])
 def test_a_failing_client_loses_its_turn_and_the_reason_is_recorded(paradigm, run_config, fake_grid):
-    raw = run_config(paradigm=paradigm, **{"train.steps_per_round": 2})
+    raw = run_config(paradigm=paradigm, **{"train.steps_per_round": 2, "eval.every": 1})
     grid = fake_grid(client_app, raw, 2)
 
     def explode(message, reply):
@@ -101,11 +102,14 @@ def test_a_failing_client_loses_its_turn_and_the_reason_is_recorded(paradigm, ru
     grid.interceptors[1] = explode
     folder = run(grid, load_config(raw))
     record = metrics(folder)[0]
-    assert status(folder)["state"] == "finished"
     assert record["steps"] == 2  # client 2's whole turn
-    (fault,) = record["faults"]
-    assert fault["client"] == 1 and "disk full on client 1" in fault["reason"]
-    assert fault["consequence"] == "turn skipped after 0 of 2 steps"
+    train, evaluate = record["faults"]
+    assert train["client"] == 1 and "disk full on client 1" in train["reason"]
+    assert train["consequence"] == "turn skipped after 0 of 2 steps"
+    # The status says the run is not whole: which partition, which round, how much of the test set.
+    final = status(folder)
+    assert final["state"] == "finished" and final["complete"] is False
+    assert final["failed_partitions"] == {"1": [0]} and final["test_share"] == 0.5
 
 
 def test_fl_averages_the_others_when_a_client_fails(run_config, fake_grid):

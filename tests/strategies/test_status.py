@@ -1,0 +1,30 @@
+"""status.json's liveness: a live run's heartbeat is renewed while its server works, an ended
+run's is not, and a live status whose heartbeat stopped reads as a dead server."""
+
+import json
+import time
+
+from config import load_config
+from strategies.callbacks import STALE_AFTER_S, Heartbeat, RunFolder, is_stale
+
+
+def test_a_live_run_beats_and_an_ended_one_keeps_its_end(run_config, tmp_path):
+    folder = RunFolder(load_config(run_config()), tmp_path / "run")
+    folder.write_status("running", round=1)
+    first = json.loads((folder.path / "status.json").read_text())
+    with Heartbeat(folder, every=0.02):
+        time.sleep(0.2)
+        beaten = json.loads((folder.path / "status.json").read_text())
+        assert beaten["heartbeat"] > first["heartbeat"] and beaten["round"] == 1 and beaten["time"] == first["time"]
+        folder.write_status("finished", rounds=1)
+        ended = json.loads((folder.path / "status.json").read_text())
+        time.sleep(0.1)
+    assert json.loads((folder.path / "status.json").read_text()) == ended
+
+
+def test_a_live_status_without_a_recent_heartbeat_is_a_dead_server():
+    now = 1_000_000.0
+    assert not is_stale({"state": "running", "heartbeat": now - 5}, now)
+    assert is_stale({"state": "running", "heartbeat": now - STALE_AFTER_S - 1}, now)
+    assert is_stale({"state": "starting", "time": now - STALE_AFTER_S - 1}, now)
+    assert not is_stale({"state": "finished", "heartbeat": now - 10 * STALE_AFTER_S}, now)
