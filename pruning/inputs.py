@@ -11,9 +11,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+
 from tqdm.auto import tqdm
 
 from pruning.encoders import FrozenEncoders
+from vlm.features import read_cache, write_cache
 from vqa import VQASample
 
 
@@ -66,12 +68,13 @@ class PruningInputCache:
             raise KeyError(f"no cached question vector for {error.args[0]!r}; call add() first") from None
 
     def save(self, path: str | Path) -> None:
-        torch.save(
-            {"encoders": self.encoders.fingerprint, "patches": self._patches, "questions": self._questions}, path
-        )
+        write_cache({"encoders": self.encoders.fingerprint, "patches": self._patches, "questions": self._questions}, path)
 
     def load(self, path: str | Path) -> None:
-        saved = torch.load(path, weights_only=True)
+        """The inputs saved at `path`, if it holds a readable cache (read_cache) of these encoders."""
+        saved = read_cache(path)
+        if saved is None:
+            return
         if saved["encoders"] != self.encoders.fingerprint:
             raise ValueError(
                 f"{path} was computed by encoders {saved['encoders']}, not by these ({self.encoders.fingerprint}); "

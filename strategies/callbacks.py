@@ -10,6 +10,7 @@ the server's threat model and the defenses its clients applied) — the truth th
 """
 
 import json
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,8 @@ from training.defenses import describe_defenses, describe_dp
 from training.protocol import NODE_PARTITIONS_FILE
 
 
+log = logging.getLogger(__name__)
+
 CANARIES_FILE = "canaries.json"
 # States of a run whose server is at work; its status.json's heartbeat is renewed every
 # HEARTBEAT_S, and one older than STALE_AFTER_S means the server died without saying so.
@@ -34,11 +37,15 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 4 * HEARTBEAT_S
 
 
-def write_json_atomically(path: Path, data: Any) -> None:
-    """`data` as JSON at `path`, never torn: written beside it, then moved over it."""
+def write_text_atomically(path: Path, text: str) -> None:
+    """`text` at `path`, never torn: written beside it, then moved over it."""
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=True))
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def write_json_atomically(path: Path, data: Any) -> None:
+    write_text_atomically(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 class RunCallback(Protocol):
@@ -177,9 +184,21 @@ class MetricsLog:
         self.path = folder.path / "metrics.jsonl"
         committed = folder.committed_round()
         if self.path.exists():
-            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [line for line in lines if json.loads(line)["round"] <= committed]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = []
+            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    round_ = json.loads(line)["round"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    # A line is written before its round's checkpoint commits: a torn one is of a
+                    # round that never committed, and goes like every line past the checkpoint.
+                    log.warning("%s line %d is torn (a kill mid-write); dropped with the uncommitted rounds",
+                                self.path, number)
+                    continue
+                if round_ <= committed:
+                    kept.append(line)
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
 
     def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
         with self.path.open("a") as handle:

@@ -6,8 +6,13 @@ what makes CPU-sized runs feasible; a disk copy lets separate processes (Flower
 deployment mode, resumed runs) share the work.
 """
 
+import logging
+import os
+import pickle
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +21,30 @@ from tqdm.auto import tqdm
 from vlm.loading import ImagePreprocessor
 from vlm.segments import vision_features
 from vqa import VQASample
+
+log = logging.getLogger(__name__)
+
+
+def write_cache(data: Any, path: str | Path) -> None:
+    """`data` (tensors in containers) at `path`, never torn: written beside it, then moved over it."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(data, partial)
+    os.replace(partial, path)
+
+
+def read_cache(path: str | Path) -> Any | None:
+    """What write_cache left at `path`; None, with a warning naming the file, when it is missing or
+    unreadable (torn by a kill mid-write under an older build, or damaged): a cache is rebuilt,
+    never fatal and never used half."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        log.warning("cache %s is unreadable (%s: %s); recomputing it", path, type(error).__name__, error)
+        return None
 
 
 class VisionFeatureCache:
@@ -62,7 +91,8 @@ class VisionFeatureCache:
         return torch.stack([self[sample.image_id] for sample in samples])
 
     def save(self, path: str | Path) -> None:
-        torch.save(self._features, path)
+        write_cache(self._features, path)
 
     def load(self, path: str | Path) -> None:
-        self._features.update(torch.load(path, weights_only=True))
+        """The features saved at `path`, if it holds a readable cache (read_cache)."""
+        self._features.update(read_cache(path) or {})

@@ -281,3 +281,14 @@ def test_fl_samples_partitions_from_the_seed_and_the_round(run_config):
         assert len(drawn) == 2 and drawn == sorted(drawn)
         assert drawn == [other.partitions[node] for node in other.sampled_nodes(round_)]
     assert len({tuple(one.sampled_nodes(round_)) for round_ in range(1, 6)}) > 1
+
+
+def test_a_metrics_line_torn_by_a_kill_is_dropped_and_the_run_resumes(run_config, fake_grid, caplog):
+    raw = run_config(**{"train.rounds": 1})
+    folder = run(fake_grid(client_app, raw, 2), load_config(raw))
+    log = folder.path / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"round": 2, "train_lo')  # round 2's line, cut short before it committed
+    longer = {**raw, "train.rounds": 2}
+    folder = run(fake_grid(client_app, longer, 2), load_config(longer))
+    assert [r["round"] for r in metrics(folder)] == [1, 2] and status(folder)["state"] == "finished"
+    assert f"{log} line 2 is torn" in caplog.text
