@@ -204,6 +204,16 @@ def shared_party_model(config: SimConfig) -> PartyModel:
     return _BASES[key]
 
 
+def client_state_dir(config: SimConfig, partition_id: int, node_dir: Any = None) -> Path:
+    """Where a client keeps its private state: in the run folder, or under the node's state-dir.
+    A node's state-dir serves every run it joins, so there each run keeps a folder of its own,
+    named by its run name and settings (the same on resume, which may change only the resumable
+    keys): one run never reads another's state."""
+    if not node_dir:
+        return config.run_folder() / "clients" / f"partition-{partition_id}"
+    return Path(str(node_dir)).expanduser() / f"{config.output.name}-{config.fingerprint()[:12]}" / f"partition-{partition_id}"
+
+
 def client_runtime(context: Context) -> ClientRuntime:
     """The runtime of this node for this run, built once per process, its adapters active."""
     config, fingerprint = parsed_config(context.run_config)
@@ -217,9 +227,7 @@ def client_runtime(context: Context) -> ClientRuntime:
             f"node has partition-id={partition_id} of num-partitions={num_partitions}, but the run config says "
             f"clients.count={config.clients.count}; start the federation with num-supernodes={config.clients.count}"
         )
-    state_dir = str(
-        context.node_config.get("state-dir") or config.run_folder() / "clients" / f"partition-{partition_id}"
-    )
+    state_dir = str(client_state_dir(config, partition_id, context.node_config.get("state-dir")))
     key = (fingerprint, partition_id, state_dir)
     if key not in _RUNTIMES:
         release_other_runs(config, fingerprint)

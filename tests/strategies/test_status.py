@@ -1,9 +1,11 @@
-"""status.json's liveness: a live run's heartbeat is renewed while its server works, an ended
-run's is not, and a live status whose heartbeat stopped reads as a dead server."""
+"""What keeps runs honest and apart: status.json's liveness (a live run's heartbeat is renewed
+while its server works, an ended run's is not, a live status whose heartbeat stopped reads as a
+dead server), and each run's own client state under a node's state-dir."""
 
 import json
 import time
 
+from clients.runtime import client_state_dir
 from config import load_config
 from strategies.callbacks import STALE_AFTER_S, Heartbeat, RunFolder, is_stale
 
@@ -28,3 +30,17 @@ def test_a_live_status_without_a_recent_heartbeat_is_a_dead_server():
     assert is_stale({"state": "running", "heartbeat": now - STALE_AFTER_S - 1}, now)
     assert is_stale({"state": "starting", "time": now - STALE_AFTER_S - 1}, now)
     assert not is_stale({"state": "finished", "heartbeat": now - 10 * STALE_AFTER_S}, now)
+
+
+def test_a_nodes_state_dir_keeps_each_run_apart_and_a_resumed_run_with_itself(run_config, tmp_path):
+    node = tmp_path / "node0"
+    first = load_config(run_config(**{"output.name": "a"}))
+    other_settings = load_config(run_config(**{"output.name": "a", "train.lr": 0.5}))
+    other_name = load_config(run_config(**{"output.name": "b"}))
+    resumed = load_config(run_config(**{"output.name": "a", "train.rounds": 9}))
+    where = client_state_dir(first, 0, node)
+    assert where.parent.parent == node and where.name == "partition-0"
+    assert client_state_dir(resumed, 0, node) == where
+    assert len({where, client_state_dir(other_settings, 0, node), client_state_dir(other_name, 0, node),
+                client_state_dir(first, 1, node)}) == 4
+    assert client_state_dir(first, 0, None) == first.run_folder() / "clients" / "partition-0"
