@@ -10,6 +10,7 @@ i - 1 unless `node_ids` gives each partition's node id (as Flower's random ids w
 
 import copy
 import traceback
+import uuid
 from collections.abc import Iterable, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -57,6 +58,9 @@ class InProcessGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []
         for message in messages:
+            if not message.metadata.message_id:
+                # As Flower's grids do when they push a message: the id its reply names.
+                message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
             try:
                 reply = self.deliver(message)
             except Exception:  # noqa: BLE001 - Flower's runtime turns any handler failure into an error reply

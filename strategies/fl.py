@@ -77,6 +77,8 @@ class WireFedAvg(FedAvg):
         # SecAgg+ (privacy.secagg): training rounds whose updates the server only sees summed.
         self.secagg = SecureAggregation(config) if config.privacy.secagg.enabled else None
         self.sent_bytes: dict[int, int] = {}
+        # message id -> node of the messages last sent (WireGrid), to place Flower's own error replies.
+        self.sent_ids: dict[str, int] = {}
         self.secured = 0
         # DP-SGD: what each accepted reply reported of its client's budget this round.
         self.client_budgets: list[dict[str, Any]] = []
@@ -175,14 +177,14 @@ class WireFedAvg(FedAvg):
     def _screen(self, replies: Iterable[Message], round_: int, phase: str, decode: bool) -> list[Message]:
         """Replies that may be folded in, in partition order (the average's summation order);
         the rest are reported with their reason."""
-        replies = sorted(replies, key=lambda reply: self.partitions[reply.metadata.src_node_id])
-        answered = {reply.metadata.src_node_id for reply in replies}
+        by_node = sorted(((self._answering(reply), reply) for reply in replies),
+                         key=lambda pair: self.partitions.get(pair[0], len(self.partitions)))
+        answered = {node for node, _ in by_node}
         for node in self.sent_to:
             if node not in answered:
                 self._fault(node, phase, f"no reply within faults.timeout_s={self.config.faults.timeout_s}s")
         kept = []
-        for reply in replies:
-            node = reply.metadata.src_node_id
+        for node, reply in by_node:
             if reply.has_error():
                 self._fault(node, phase, reply.error.reason.strip())
                 continue
@@ -206,6 +208,15 @@ class WireFedAvg(FedAvg):
             content = RecordDict({protocol.ARRAYS: numpy_record(tensors), protocol.METRICS: metrics})
             kept.append(Message(content=content, reply_to=reply))
         return kept
+
+    def _answering(self, reply: Message) -> int:
+        """The node a reply answers for. An error reply that Flower's SuperLink makes itself (a
+        node gone, a message expired) comes from the SuperLink's own id: the message it answers
+        names the node."""
+        node = reply.metadata.src_node_id
+        if node in self.partitions:
+            return node
+        return self.sent_ids.get(reply.metadata.reply_to_message_id, node)
 
     def _fault(self, node: int, phase: str, reason: str) -> None:
         consequence = "left out of this round's average" if phase == "train" else "not scored this round"
@@ -277,7 +288,10 @@ class WireGrid(GridWrapper):
         if self.strategy.secagg and phase == "train":
             replies = self.strategy.secure_in(self.strategy.secagg.round(self.grid, sent, round_), sent)
         else:
-            replies = self.strategy.wire_in(self.grid.send_and_receive(sent, timeout=timeout))
+            received = self.grid.send_and_receive(sent, timeout=timeout)
+            # The grid gave each message its id as it pushed it: what a reply names as its question.
+            self.strategy.sent_ids = {m.metadata.message_id: m.metadata.dst_node_id for m in sent if m.metadata.message_id}
+            replies = self.strategy.wire_in(received)
         if phase == "train" and self.strategy.dp:
             # Aggregation comes next, and with it the DP wrapper's noise.
             self.strategy.dp.before_aggregation(round_)

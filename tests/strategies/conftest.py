@@ -22,8 +22,8 @@ class FakeGrid(InProcessGrid):
     client's training and evaluation failing, not the node that never joined.
     """
 
-    def __init__(self, client_app: ClientApp, run_config: dict, num_nodes: int) -> None:
-        super().__init__(client_app, run_config, num_nodes)
+    def __init__(self, client_app: ClientApp, run_config: dict, num_nodes: int, node_ids: list[int] | None = None) -> None:
+        super().__init__(client_app, run_config, num_nodes, node_ids)
         # node -> function(message, reply) returning the reply to deliver (None: no reply), or raising.
         self.interceptors: dict[int, Callable[[Message, Message], Message | None]] = {}
 

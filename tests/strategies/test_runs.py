@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from flwr.app import Message
+from flwr.app import Error, Message
+from flwr.common.constant import SUPERLINK_NODE_ID
 
 from clients.app import app as client_app
 from config import load_config
@@ -120,6 +121,24 @@ def test_fl_averages_the_others_when_a_client_fails(run_config, fake_grid):
     record = metrics(folder)[0]
     assert record["clients_averaged"] == 1
     assert [f["client"] for f in record["faults"]] == [2] and "out of memory" in record["faults"][0]["reason"]
+
+
+def test_an_error_reply_the_superlink_makes_is_blamed_on_the_node_it_answers_for(run_config, fake_grid):
+    raw = run_config(paradigm="fl")
+    grid = fake_grid(client_app, raw, 2, node_ids=[7, 8])
+
+    def expired(message, reply):
+        error = Message(Error(code=0, reason="message expired: the node went away"), reply_to=message)
+        error.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID  # made by the SuperLink, not the node
+        return error
+
+    grid.interceptors[8] = expired
+    folder = run(grid, load_config(raw))
+    record = metrics(folder)[0]
+    assert record["clients_averaged"] == 1
+    # One fault, on node 8 (partition 1), with the SuperLink's reason; no timeout that did not happen.
+    assert [(f["client"], f["reason"]) for f in record["faults"]] == [(8, "message expired: the node went away")]
+    assert status(folder)["failed_partitions"] == {"1": [1]}
 
 
 def poison(message: Message, reply: Message) -> Message:
