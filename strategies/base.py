@@ -30,6 +30,11 @@ class ClientFault(RuntimeError):
     """A client's reply is missing, is an error, or was rejected by the wire."""
 
 
+class ServerFault(RuntimeError):
+    """What the server itself would send is unusable (its segment diverged): the run stops, and
+    no client is blamed for it."""
+
+
 class RoundStrategy(ABC):
     def __init__(self, config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback] = ()) -> None:
         self.config = config
@@ -89,6 +94,10 @@ class RoundStrategy(ABC):
         a replayed payload is shown to the wire's observers of what is sent.
         """
         content = RecordDict({protocol.CONFIG: ConfigRecord({"round": round_, **config})})
+        broken = sorted(name for name, t in (tensors or {}).items() if t.is_floating_point() and not torch.isfinite(t).all())
+        if broken:
+            raise ServerFault(f"round {round_}: the server's own {message_type} holds non-finite values in {broken} "
+                              "(its segment diverged; lower train.lr): the server's fault, not a client's")
         carried = protocol.CARRIES.get(message_type)
         if tensors is not None or carried is not None:
             names = set(tensors or {})

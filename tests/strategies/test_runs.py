@@ -12,6 +12,8 @@ from config import load_config
 from pruning import Selection
 from sims.inprocess import InProcessGrid
 from strategies.app import run
+from strategies import split
+from strategies.base import ServerFault
 from strategies.fl import WireFedAvg
 from training import protocol
 from training.store import PrivateStore
@@ -159,6 +161,17 @@ def test_a_non_finite_activation_is_rejected_not_trained_on(run_config, fake_gri
     grid.interceptors[1] = poison
     with pytest.raises(RuntimeError, match="no client completed a step in round 1.*non-finite"):
         run(grid, load_config(raw))
+
+
+def test_a_server_whose_segment_diverges_stops_the_run_as_its_own_fault(run_config, fake_grid, monkeypatch):
+    raw = run_config(paradigm="sl")
+    original = split.run_decoder_layers
+    monkeypatch.setattr(split, "run_decoder_layers", lambda *args, **kwargs: original(*args, **kwargs) * float("nan"))
+    with pytest.raises(ServerFault, match="the server's own .* non-finite values .* not a client's"):
+        run(fake_grid(client_app, raw, 2), load_config(raw))
+    folder = load_config(raw).run_folder()
+    assert json.loads((folder / "status.json").read_text())["error_type"] == "ServerFault"
+    assert not (folder / "metrics.jsonl").exists() or not (folder / "metrics.jsonl").read_text()
 
 
 def test_a_client_that_never_answers_times_out(run_config, fake_grid):
