@@ -21,6 +21,7 @@ because those rounds are run again.
 """
 
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -41,6 +42,8 @@ HEADER_FILE = "recording.json"
 INDEX_FILE = "index.jsonl"
 TENSOR_FOLDER = "transfers"
 DEFAULT_MAX_BYTES = 2 * 1024**3
+
+log = logging.getLogger(__name__)
 
 
 class MissingObservationError(LookupError):
@@ -73,9 +76,20 @@ def _samples_in(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def _read_index(path: Path) -> list[RecordedTransfer]:
+    """The index's entries. Its last line may be torn by a kill mid-append (a transfer of a round
+    that never committed): dropped with a warning naming the file. A torn line before it is damage."""
     if not path.exists():
         return []
-    return [RecordedTransfer(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    entries = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            entries.append(RecordedTransfer(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as error:
+            if position < len(lines) - 1:
+                raise ValueError(f"{path} line {number} is damaged ({error}); the recording cannot be read") from None
+            log.warning("%s line %d is torn (a kill mid-write); dropped", path, number)
+    return entries
 
 
 class Recorder:

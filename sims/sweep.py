@@ -49,6 +49,7 @@ import argparse
 import fnmatch
 import itertools
 import json
+import logging
 import re
 import shutil
 import sys
@@ -89,6 +90,8 @@ ATTACK_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = "label"
 SWEEP_STAMP = "sweep.json"
 NO_PRUNING = "off"
+
+log = logging.getLogger(__name__)
 
 
 class SweepError(ValueError):
@@ -374,8 +377,10 @@ def read_record(sweep: Sweep, point: Point) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise SweepError(f"point {point.name}: its record {path} is torn ({error.msg}); delete it "
-                         "(the run folder keeps the point's results) and start again") from None
+        # Written atomically, so torn only by damage; the run folder keeps the point's results and
+        # the sweep writes the record anew.
+        log.warning("point %s: its record %s is torn (%s); started afresh", point.name, path, error.msg)
+        return {}
 
 
 def _write_record(sweep: Sweep, point: Point, record: dict[str, Any]) -> None:

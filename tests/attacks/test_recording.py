@@ -61,6 +61,24 @@ def test_a_resumed_run_drops_what_was_recorded_after_its_last_committed_round(tm
     assert len(list((tmp_path / "rec" / "transfers").iterdir())) == 3
 
 
+def test_an_index_line_torn_by_a_kill_is_dropped_on_resume_and_damage_before_it_is_named(tmp_path, caplog):
+    recorder = Recorder(tmp_path / "rec")
+    for round_ in (1, 2):
+        recorder.record(round_, 1, "activation at CA", activation())
+    index = tmp_path / "rec" / INDEX_FILE
+    whole = index.read_text()
+    index.write_text(whole + whole.splitlines()[-1][:25])  # round 3's line, cut short mid-append
+    assert [e.round for e in Recording.open(tmp_path / "rec").entries] == [1, 2]
+    assert f"{index} line 3 is torn" in caplog.text
+    resumed = Recorder(tmp_path / "rec", committed_round=2)
+    resumed.record(3, 1, "activation at CA", activation())
+    assert [e.round for e in Recording.open(tmp_path / "rec").entries] == [1, 2, 3]
+    lines = index.read_text().splitlines()
+    index.write_text("\n".join([lines[0][:25], *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=f"{index} line 1 is damaged"):
+        Recording.open(tmp_path / "rec")
+
+
 def test_a_missing_observation_is_named_with_what_the_recording_holds(tmp_path):
     recorder = Recorder(tmp_path / "recording", header={"config": {"paradigm": "fl"}})
     recorder.record(1, 1, "adapter update", {"w": torch.zeros(2)})

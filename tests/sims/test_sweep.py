@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from attacks.metrics import puri
 from sims import archive as A
 from sims import results as R
-from sims.sweep import SweepError, load_sweep, restore_archived, run_sweep, status_rows
+from sims.sweep import SweepError, load_sweep, read_record, restore_archived, run_sweep, status_rows
 from sims.sweep import main as sweep_main
 
 REPOSITORY = Path(__file__).parents[2]
@@ -453,3 +453,19 @@ def test_an_archived_sweep_goes_on_on_a_new_machine_from_its_archive(smoke, tmp_
     assert len(restored) == len(sweep.points) - 2
     assert logged == [f"{stale.name}: not restored from {archive}: archived with another value of train.lr; it runs again"]
     assert not (third.folder / "runs" / stale.name).exists() and not (third.folder / "runs" / partial.name).exists()
+
+
+def test_a_torn_point_record_is_started_afresh_with_a_warning(tmp_path, caplog):
+    sweep = load_sweep(sweep_file(tmp_path, """
+[[grid]]
+name = "g"
+[[grid.zip]]
+paradigm = ["cl"]
+"clients.count" = [1]
+"""), out=tmp_path / "out")
+    point = sweep.points[0]
+    sweep.point_record(point).parent.mkdir(parents=True)
+    sweep.point_record(point).write_text('{"run": {"state": "fini')
+    assert read_record(sweep, point) == {}
+    assert f"its record {sweep.point_record(point)} is torn" in caplog.text
+    load_sweep(sweep.file, out=sweep.folder)  # the sweep still loads
