@@ -12,6 +12,7 @@ Each attack module ends with `register_attack(TheAttack)`; the replay command an
 
 import json
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -57,15 +58,20 @@ class AttackResult:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def save(self, folder: str | Path) -> Path:
-        """`<folder>/<attack>.json` (metrics, details) and `<attack>.safetensors` (outputs)."""
+        """`<folder>/<attack>.safetensors` (outputs), then `<attack>.json` (metrics, details), each
+        written beside its place and moved over it: the JSON, which says the result exists, only
+        once both are whole."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{self.attack}.json"
-        path.write_text(json.dumps({"attack": self.attack, "metrics": self.metrics, "details": self.details},
-                                   indent=2, sort_keys=True, default=str))
         if self.outputs:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.outputs.items()},
-                      str(folder / f"{self.attack}.safetensors"))
+            partial = folder / f".{self.attack}.safetensors.partial"
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.outputs.items()}, str(partial))
+            os.replace(partial, folder / f"{self.attack}.safetensors")
+        path = folder / f"{self.attack}.json"
+        partial = folder / f".{self.attack}.json.partial"
+        partial.write_text(json.dumps({"attack": self.attack, "metrics": self.metrics, "details": self.details},
+                                      indent=2, sort_keys=True, default=str))
+        os.replace(partial, path)
         return path
 
 

@@ -396,7 +396,17 @@ def run_state(point: Point) -> dict[str, Any]:
 
 
 def attack_done(point: Point, attack: str) -> bool:
-    return (point.folder / ATTACK_FOLDER / f"{attack}.json").is_file()
+    """Whether the point holds the attack's result, whole (a torn one, from damage or an older
+    build's non-atomic save, is replayed again)."""
+    path = point.folder / ATTACK_FOLDER / f"{attack}.json"
+    if not path.is_file():
+        return False
+    try:
+        json.loads(path.read_text())
+    except json.JSONDecodeError:
+        log.warning("point %s: its %s result %s is torn; replayed again", point.name, attack, path)
+        return False
+    return True
 
 
 # --- running ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from attacks.metrics import puri
 from sims import archive as A
 from sims import results as R
-from sims.sweep import SweepError, load_sweep, read_record, restore_archived, run_sweep, status_rows
+from sims.sweep import SweepError, attack_done, load_sweep, read_record, restore_archived, run_sweep, status_rows
 from sims.sweep import main as sweep_main
 
 REPOSITORY = Path(__file__).parents[2]
@@ -455,7 +455,7 @@ def test_an_archived_sweep_goes_on_on_a_new_machine_from_its_archive(smoke, tmp_
     assert not (third.folder / "runs" / stale.name).exists() and not (third.folder / "runs" / partial.name).exists()
 
 
-def test_a_torn_point_record_is_started_afresh_with_a_warning(tmp_path, caplog):
+def test_a_torn_point_record_or_attack_result_is_made_afresh_with_a_warning(tmp_path, caplog):
     sweep = load_sweep(sweep_file(tmp_path, """
 [[grid]]
 name = "g"
@@ -469,3 +469,10 @@ paradigm = ["cl"]
     assert read_record(sweep, point) == {}
     assert f"its record {sweep.point_record(point)} is torn" in caplog.text
     load_sweep(sweep.file, out=sweep.folder)  # the sweep still loads
+    # An attack result torn (by damage, or an older build's save) is not taken for done.
+    result = point.folder / "attacks" / "fora.json"
+    result.parent.mkdir(parents=True)
+    result.write_text('{"attack": "fora", "metr')
+    assert not attack_done(point, "fora") and f"its fora result {result} is torn" in caplog.text
+    result.write_text('{"attack": "fora", "metrics": {}}')
+    assert attack_done(point, "fora")
