@@ -75,6 +75,9 @@ class RunFolder:
                 f"run folder {path} was written by a different config (changed: {changed}); only "
                 f"{', '.join(RESUMABLE_KEYS)} may change on resume — use another output.name"
             )
+        if config.train.rounds < self.committed_round():
+            raise ValueError(f"run config train.rounds={config.train.rounds} is not allowed; allowed: >= "
+                             f"{self.committed_round()}, the rounds run folder {path} already holds")
         write_json_atomically(previous, {"config": config.to_flat(), "fingerprint": config.fingerprint()})
 
     def committed_round(self) -> int:

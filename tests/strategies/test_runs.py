@@ -84,12 +84,18 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_round(run_config, fa
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
 
 
-def test_a_resumed_run_refuses_a_changed_config(run_config, fake_grid):
-    raw = run_config()
-    run(fake_grid(client_app, raw, 2), load_config(raw))
+def test_a_resumed_run_refuses_a_changed_config_or_fewer_rounds(run_config, fake_grid):
+    raw = run_config(**{"train.rounds": 2})
+    folder = run(fake_grid(client_app, raw, 2), load_config(raw))
     changed = {**raw, "train.lr": 0.5}
     with pytest.raises(ValueError, match=r"changed: \['train.lr'\]"):
         run(fake_grid(client_app, changed, 2), load_config(changed))
+    # Fewer rounds than the folder holds: refused, and the finished run's status left as it was.
+    ended = status(folder)
+    fewer = {**raw, "train.rounds": 1}
+    with pytest.raises(ValueError, match=r"train.rounds=1 is not allowed; allowed: >= 2"):
+        run(fake_grid(client_app, fewer, 2), load_config(fewer))
+    assert status(folder) == ended
 
 
 @pytest.mark.parametrize("paradigm", ["usl", "sl"])
