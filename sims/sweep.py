@@ -64,7 +64,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from attacks.base import Attack, attack_class, available_attacks
+from attacks.base import Attack, AttackOptionError, attack_class, available_attacks, checked_options
 from attacks.context import ATTACK_FOLDER
 from attacks.replay import fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
@@ -91,7 +91,7 @@ LABEL = "label"
 SWEEP_STAMP = "sweep.json"
 NO_PRUNING = "off"
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class SweepError(ValueError):
@@ -242,8 +242,10 @@ def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPl
             raise SweepError(f"attacks.{name}: the label names the attack {name!r} but replays {attack!r}; "
                              "give this table a label of its own")
         options = _table(f"attacks.{name}.options", spec.get("options"))
-        allowed = [f.name for f in fields(attack_class(attack).Options)]
-        _unknown(f"attacks.{name}.options", options, allowed)
+        try:
+            checked_options(attack, attack_class(attack).Options, options)
+        except AttackOptionError as error:
+            raise SweepError(f"attacks.{name}.options: {error}") from None
         where = {}
         for key, values in _table(f"attacks.{name}.where", spec.get("where")).items():
             if key not in known_keys:
@@ -379,7 +381,7 @@ def read_record(sweep: Sweep, point: Point) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         # Written atomically, so torn only by damage; the run folder keeps the point's results and
         # the sweep writes the record anew.
-        log.warning("point %s: its record %s is torn (%s); started afresh", point.name, path, error.msg)
+        logger.warning("point %s: its record %s is torn (%s); started afresh", point.name, path, error.msg)
         return {}
 
 
@@ -404,7 +406,7 @@ def attack_done(point: Point, attack: str) -> bool:
     try:
         json.loads(path.read_text())
     except json.JSONDecodeError:
-        log.warning("point %s: its %s result %s is torn; replayed again", point.name, attack, path)
+        logger.warning("point %s: its %s result %s is torn; replayed again", point.name, attack, path)
         return False
     return True
 

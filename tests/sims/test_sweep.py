@@ -97,7 +97,7 @@ grid:
     ("[[grid]]\nname = \"g\"\n[[grid.zip]]\nparadigm = [\"sl\", \"usl\"]\n\"train.lr\" = [0.1]\n", "lists of one length"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.forra]\n", "attacks.forra: no such attack"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\noptions = { steps = 3 }\n",
-     "attacks.fora.options: unknown key 'steps'"),
+     "attacks.fora.options: fora: unknown option 'steps'"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\nwhere = { \"threat.mode\" = [\"passive\"] }\n",
      "unknown run-config key 'threat.mode'"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"sl\"] }\n", "points share a run name"),
@@ -110,7 +110,9 @@ grid:
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.\"a/b\"]\nattack = \"actinv\"\n",
      "attacks.a/b: a label is letters"),
     ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.actinv_masked]\nattack = \"actinv\"\n"
-     "options = { decoder_steps = 3 }\n", "attacks.actinv_masked.options: unknown key 'decoder_steps'"),
+     "options = { decoder_steps = 3 }\n", "attacks.actinv_masked.options: actinv: unknown option 'decoder_steps'"),
+    ("[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n[attacks.fora]\noptions = { decoder_steps = -3 }\n",
+     "attacks.fora.options: fora: option decoder_steps=-3 is not allowed"),
 ])
 def test_a_bad_sweep_file_is_refused_naming_the_point_and_the_key(tmp_path, body, expected):
     assert expected in refusal(tmp_path, body)
