@@ -156,7 +156,7 @@ def virtual_client_memory(args, root: Path) -> dict:
 
 
 def empty_round_trip(root: Path) -> dict:
-    overrides = {"output.root": str(root), "output.name": "roundtrip"}
+    overrides = {"output.root": str(root), "output.name": "roundtrip", "clients.count": 1}
     status, _, process = launch(ROUNDTRIP_APP, overrides, "num-supernodes=1", timeout_s=600)
     if status["state"] != "finished":
         raise SystemExit(f"round trip app: {status['state']}: {status.get('error')}\n{process.stdout[-3000:]}")
