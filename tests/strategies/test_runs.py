@@ -180,13 +180,15 @@ def test_a_server_whose_segment_diverges_stops_the_run_as_its_own_fault(run_conf
     assert not (folder / "metrics.jsonl").exists() or not (folder / "metrics.jsonl").read_text()
 
 
-def test_a_client_that_never_answers_times_out(run_config, fake_grid):
-    raw = run_config(paradigm="sl")
+@pytest.mark.parametrize("paradigm", ["sl", "fl"])
+def test_a_client_that_never_answers_times_out(paradigm, run_config, fake_grid):
+    raw = run_config(paradigm=paradigm)
     grid = fake_grid(client_app, raw, 2)
     grid.interceptors[2] = lambda message, reply: None
     folder = run(grid, load_config(raw))
     (fault,) = metrics(folder)[0]["faults"]
     assert fault["client"] == 2 and "no reply" in fault["reason"]
+    assert status(folder)["failed_partitions"] == {"1": [1]} and status(folder)["complete"] is False
 
 
 def test_a_run_where_every_message_meets_a_fresh_process_ends_with_the_same_weights(run_config, fake_grid, monkeypatch):
