@@ -4,7 +4,7 @@ import pytest
 
 from attacks.truth import RunTruth
 from clients.runtime import build_runtime
-from config import load_config
+from config import ConfigError, load_config
 from training.data import RunData
 from vlm.loading import ModelBundle, build_random_model, clip_image_preprocessor
 from vlm.mini.tokenizer import build_sample_tokenizer
@@ -66,10 +66,11 @@ def test_the_attackers_public_rows_share_no_image_with_the_clients(tmp_path, aux
     assert [s.id for s in data.auxiliary(30, seed=2)] != [s.id for s in aux]
 
 
-def test_too_few_rows_for_the_clients_fail_naming_the_settings(tmp_path):
-    config = tiny_config(tmp_path, **{"data.train_limit": 1, "data.partition": "iid"})
-    with pytest.raises(ValueError, match=r"clients.count=2 clients .*data.train_limit=1.*cannot split 1"):
-        RunData.build(config)
+def test_too_few_rows_for_the_clients_are_refused_before_any_data_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train_limit=1 .*at least clients.count=2 rows"):
+        tiny_config(tmp_path, **{"data.train_limit": 1, "data.partition": "iid"})
+    with pytest.raises(ConfigError, match=r"data.test_limit=1 .*at least clients.count=2 rows"):
+        tiny_config(tmp_path, **{"data.test_limit": 1})
 
 
 def test_a_word_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
