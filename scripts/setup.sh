@@ -14,6 +14,15 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install --quiet --upgrade pip
     pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 fi
+# The deployment recipe's gateway (sims/deploy.py) is nginx, from Debian's packages where apt-get is
+# at hand (as root); without it the deployment tests are skipped, saying so.
+if ! command -v nginx >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >/dev/null 2>&1; then
+        service nginx stop >/dev/null 2>&1 || true  # the package starts one on port 80; the tests start their own
+    else
+        echo "setup: nginx could not be installed; the deployment tests will be skipped" >&2
+    fi
+fi
 stamp=.venv/.qpriv-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     pip install --quiet -e ".[dev]"

@@ -9,7 +9,6 @@ ports, and stops the SuperLink it started.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -130,31 +129,7 @@ def test_fl_runs_secagg_with_central_dp_under_flwr_run(flwr_home, tmp_path):
 
 
 
-def stop_processes_naming(*markers: str) -> None:
-    """Stop the processes this test started: those whose command line holds a marker only
-    they have (a path, a port), and their descendants (Ray's agents rename themselves)."""
-    parents, matched = {}, set()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # the process ended meanwhile
-            continue
-        if any(marker in args for marker in markers) and int(proc.name) != os.getpid():
-            matched.add(int(proc.name))
-    grew = True
-    while grew:
-        children = {pid for pid, parent in parents.items() if parent in matched} - matched
-        grew = bool(children)
-        matched |= children
-    for pid in matched:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypatch):
+def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypatch, stop_processes_naming):
     """RAY_ADDRESS in the environment that starts the SuperLink sends the clients to that cluster."""
     # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed.
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
