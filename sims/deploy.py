@@ -60,32 +60,33 @@ def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def certificate_authority(common_name: str, days: int = VALID_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP384R1())
+def _certificate(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey,
+                 signer: ec.EllipticCurvePrivateKey, extension: x509.ExtensionType, critical: bool,
+                 days: int) -> x509.Certificate:
+    """`key`'s certificate for `subject`, signed by `signer` for `issuer`, valid from a few
+    minutes ago (clocks differ) for `days`."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(_name(common_name))
+    return (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, hashes.SHA256())
+        .add_extension(extension, critical=critical)
+        .sign(signer, hashes.SHA256())
     )
-    return key, certificate
+
+
+def certificate_authority(common_name: str, days: int = VALID_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP384R1())
+    name = _name(common_name)
+    return key, _certificate(name, name, key, key, x509.BasicConstraints(ca=True, path_length=0), True, days)
 
 
 def server_certificate(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, hosts: list[str],
                        days: int = VALID_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     """A certificate for the SuperLink and the gateway, valid for every one of `hosts`."""
     key = ec.generate_private_key(ec.SECP384R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(_name(hosts[0])).issuer_name(ca.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([_san(host) for host in dict.fromkeys(hosts)]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    return key, certificate
+    names = x509.SubjectAlternativeName([_san(host) for host in dict.fromkeys(hosts)])
+    return key, _certificate(_name(hosts[0]), ca.subject, key, ca_key, names, False, days)
 
 
 def node_key(folder: Path, name: str) -> tuple[Path, Path]:
