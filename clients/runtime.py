@@ -7,15 +7,15 @@ adapter set on it (vlm.lora) and its own AdamW, activated before every message.
 
 What a client *learns* — adapters, optimiser state, step counter — is snapshotted
 into its PrivateStore once per turn, at the turn's last message; in between, a warm
-process holds it in memory (with the front's autograd graph, clients.split). A
-process that serves only one message — deployment's `flwr-clientapp`, which pulls one
-message, replies and exits — snapshots after every message instead, and a process
-without the newest snapshot in memory reloads it from disk.
+process holds it in memory (with the front's autograd graph, clients.split): a Ray actor
+in simulation, the warm worker in deployment (clients.worker). A process that serves only
+one message — deployment's `flwr-clientapp` with clients.warm_worker off — snapshots after
+every message instead, and a process without the newest snapshot in memory reloads it
+from disk.
 """
 
 import hashlib
 import json
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,12 +41,10 @@ from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
 from vlm.lora import DEFAULT_ADAPTER, add_adapter, load_owner_state_dict, owner_lora_parameters, owner_state_dict
 from vlm.segments import DecoderInputs
+from clients.worker import ONE_MESSAGE_PER_PROCESS
 
 # The store part holding the step counter (the others are named after their owners).
 PROGRESS = "progress"
-# Deployment's per-message process: `flwr-clientapp` runs one message and exits (flwr's
-# supernode runtime.run_clientapp), so its memory never reaches the next message.
-ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
 
 
 @dataclass
@@ -160,6 +158,11 @@ class ClientRuntime:
         else:
             self.unsaved_round = round_
 
+    def save_unsaved(self) -> None:
+        """Snapshot the progress held only in memory, if any."""
+        if self.unsaved_round is not None:
+            self.save_private_state(self.unsaved_round)
+
     def save_private_state(self, round_: int, owners: Iterable[str] | None = None) -> None:
         """Snapshot the adapters and AdamW of `owners` (default: all this client owns) and the step counter."""
         # The first snapshot must be complete: later ones start as links to it.
@@ -245,14 +248,19 @@ def release_other_runs(config: SimConfig, fingerprint: str) -> None:
     later message of theirs rebuilds them from disk."""
     for key in [key for key in _RUNTIMES if key[0] != fingerprint]:
         runtime = _RUNTIMES.pop(key)
-        if runtime.unsaved_round is not None:
-            runtime.save_private_state(runtime.unsaved_round)
+        runtime.save_unsaved()
         if runtime.model.active_adapter == runtime.adapter:
             runtime.model.set_adapter(DEFAULT_ADAPTER)
         runtime.model.delete_adapter(runtime.adapter)
     in_use = {id(runtime.party) for runtime in _RUNTIMES.values()}
     for key in [key for key, party in _BASES.items() if id(party) not in in_use and key != _base_key(config)]:
         del _BASES[key]
+
+
+def snapshot_unsaved_progress() -> None:
+    """Snapshot the progress every runtime of this process holds only in memory (a leaving worker)."""
+    for runtime in _RUNTIMES.values():
+        runtime.save_unsaved()
 
 
 def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -> ClientRuntime:

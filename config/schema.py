@@ -35,7 +35,7 @@ MODEL_STAGES = ("base", "vqa", "random")
 # crosses a wire (none does in CL); FSHA hijacks the client's front through the first cut.
 THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl"), "active-fsha": ("sl", "usl")}
 # Keys that may change when a run resumes (a longer run, a different timeout).
-RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume")
+RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume", "clients.warm_worker", "clients.worker_idle_s")
 
 
 class ConfigError(ValueError):
@@ -92,6 +92,11 @@ class ClientsConfig:
     count: int = 2
     # FL only: share of clients sampled per round.
     fraction_train: float = 1.0
+    # Deployment: a SuperNode hands each message to a worker that keeps this run's client
+    # resident (clients.worker); false rebuilds the client in every message's own process.
+    warm_worker: bool = True
+    # Seconds that worker waits for its node's next message before it snapshots and leaves.
+    worker_idle_s: float = 900.0
 
     @property
     def sampled(self) -> int:
@@ -328,6 +333,8 @@ def validate(config: SimConfig) -> None:
         raise ConfigError("clients.count", config.clients.count, "1 for paradigm cl (one trainer holds all data)")
     if not 0 < config.clients.fraction_train <= 1:
         raise ConfigError("clients.fraction_train", config.clients.fraction_train, "a share in (0, 1]")
+    if not config.clients.worker_idle_s > 0:
+        raise ConfigError("clients.worker_idle_s", config.clients.worker_idle_s, "> 0 seconds")
     for key in ("rounds", "steps_per_round", "batch_size", "grad_accum"):
         _at_least(f"train.{key}", getattr(config.train, key), 1)
     if config.paradigm != "cl" and config.train.grad_accum != 1:
