@@ -1,11 +1,10 @@
 """Fixtures shared by every test folder."""
 
-import os
-import signal
-from pathlib import Path
-
 import pytest
 import torch
+
+from sims import loopback
+
 
 @pytest.fixture(autouse=True)
 def single_thread_torch():
@@ -94,31 +93,7 @@ def run_config(tmp_path):
     return lambda **overrides: tiny_run_config(tmp_path, **overrides)
 
 
-def _stop_processes_naming(*markers: str) -> None:
-    """Stop the processes this test started: those whose command line holds a marker only
-    they have (a path, a port), and their descendants (Ray's agents rename themselves)."""
-    parents, matched = {}, set()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # the process ended meanwhile
-            continue
-        if any(marker in args for marker in markers) and int(proc.name) != os.getpid():
-            matched.add(int(proc.name))
-    grew = True
-    while grew:
-        children = {pid for pid, parent in parents.items() if parent in matched} - matched
-        grew = bool(children)
-        matched |= children
-    for pid in matched:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture(scope="session")
 def stop_processes_naming():
-    """_stop_processes_naming, for tests that start servers outside the test process."""
-    return _stop_processes_naming
+    """sims.loopback.stop_processes_naming, for tests that start servers outside the test process."""
+    return loopback.stop_processes_naming

@@ -2,12 +2,11 @@
 authentication), the nginx gateway and two SuperNodes. A run finishes with registered nodes
 joining through the gateway; nodes without a registered key, without a key, trusting another CA
 or speaking plain HTTP are refused; a stranger at the gateway can neither register a key nor
-start a run; FL goes on without a node killed mid-round, which then rejoins as itself. Each
-message starts a `flwr-clientapp` process, so the runs are the smallest ones (one step)."""
+start a run; FL goes on without a node killed mid-round, which then rejoins as itself. The
+processes are sims.loopback's; the runs are the smallest ones (one step)."""
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,100 +14,19 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from sims.deploy import CONNECTION, Deployment, certificate_authority, init, node_key
-from sims.launch import installed_tools_environment
+from sims.deploy import CONNECTION, certificate_authority, node_key
+from sims.loopback import STRANGER, LoopbackFederation, free_port
 
 pytestmark = [pytest.mark.deployment,
               pytest.mark.skipif(shutil.which("nginx") is None,
                                  reason="nginx is not installed (scripts/setup.sh installs it where apt-get is available)")]
 SIMS = Path(__file__).parents[2] / "sims"
-STRANGER = "gateway"  # the connection of someone who reaches only the gateway
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for_port(port: int, process: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited {process.returncode}: {log.read_text()[-2000:]}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {port} after {timeout}s: {log.read_text()[-2000:]}")
-
-
-class Federation:
-    """The processes of one deployment, started with the operator's environment."""
-
-    def __init__(self, deployment: Deployment, home: Path) -> None:
-        self.deployment, self.home = deployment, home
-        self.env = {**installed_tools_environment(), "FLWR_HOME": str(home)}
-        self.processes: list[subprocess.Popen] = []
-        # Each registered SuperNode's command line, by partition (a test may restart one).
-        self.node_commands: list[list[str]] = []
-
-    def start(self, name: str, command: list[str]) -> tuple[subprocess.Popen, Path]:
-        log = self.deployment.folder / f"{name}.log"
-        process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=self.env,
-                                   start_new_session=True)
-        self.processes.append(process)
-        return process, log
-
-    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env, timeout=timeout)
-
-    def node(self, name: str, command: list[str], retries: int | None = None) -> tuple[subprocess.Popen, Path]:
-        return self.start(name, [*command, *(["--max-retries", str(retries)] if retries is not None else [])])
 
 
 @pytest.fixture(scope="module")
-def federation(tmp_path_factory, stop_processes_naming):
-    folder = tmp_path_factory.mktemp("deploy")
-    deployment = init(folder, nodes=2, public=f"127.0.0.1:{free_port()}", superlink_port=free_port())
-    home = folder / "flwr-home"
-    home.mkdir()
-    _, gateway_port = deployment.public.rsplit(":", 1)
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n' + deployment.connection()
-        + deployment.connection(STRANGER, address=deployment.public))
-    fed = Federation(deployment, home)
-    try:
-        link, link_log = fed.start("superlink", deployment.superlink_command())
-        wait_for_port(deployment.superlink_port, link, link_log)
-        gateway, gateway_log = fed.start("gateway", deployment.gateway_command())
-        wait_for_port(int(gateway_port), gateway, gateway_log)
-        for partition in range(deployment.nodes):
-            registered = fed.flwr("supernode", "register", str(deployment.node_key(partition)[1]), CONNECTION)
-            assert registered.returncode == 0, registered.stdout + registered.stderr
-            fed.node_commands.append(deployment.supernode_command(partition, free_port(), folder / f"state{partition}"))
-            fed.node(f"node{partition}", fed.node_commands[partition])
-        deadline = time.monotonic() + 120
-        while len(online_nodes(fed)) < deployment.nodes and time.monotonic() < deadline:
-            time.sleep(1)
-        assert len(online_nodes(fed)) == deployment.nodes
+def federation(tmp_path_factory):
+    with LoopbackFederation(tmp_path_factory.mktemp("deploy"), nodes=2) as fed:
         yield fed
-    finally:
-        # A SuperExec detaches from its SuperLink or SuperNode: found by their Runtime API address.
-        stop_processes_naming(str(folder), deployment.superlink,
-                              *(f"127.0.0.1:{c[c.index('--port') + 1]}" for c in fed.node_commands))
-        for process in fed.processes:
-            process.wait(timeout=30)
-
-
-def nodes(fed: Federation) -> list[dict]:
-    """Every SuperNode the SuperLink knows, as the operator lists them."""
-    listed = fed.flwr("supernode", "list", CONNECTION, "--format", "json")
-    return json.loads(listed.stdout)["nodes"]
-
-
-def online_nodes(fed: Federation) -> list[dict]:
-    return [node for node in nodes(fed) if node["status"] == "online"]
 
 
 def test_a_run_finishes_over_tls_with_a_registered_node_joining_through_the_gateway(federation, tmp_path):
@@ -142,17 +60,17 @@ def test_a_node_without_a_registered_key_the_ca_or_tls_is_refused(case, federati
         command[at:at + 2] = ["--insecure"]
     process, log = federation.node(case.replace(" ", "-"), command, retries=2)
     assert process.wait(timeout=120) != 0, log.read_text()[-2000:]
-    assert len(online_nodes(federation)) <= federation.deployment.nodes
+    assert len(federation.online_nodes()) <= federation.deployment.nodes
 
 
 def test_a_stranger_at_the_gateway_can_neither_register_a_key_nor_start_a_run(federation, tmp_path):
-    known = nodes(federation)
+    known = federation.nodes()
     _, public = node_key(tmp_path, "intruder")
     register = federation.flwr("supernode", "register", str(public), STRANGER)
     assert register.returncode != 0 and "403" in register.stdout + register.stderr
     run = federation.flwr("run", str(SIMS / "cl_easyvqa"), STRANGER, "--stream", timeout=120)
     assert run.returncode != 0 and "403" in run.stdout + run.stderr
-    assert [node["node-id"] for node in nodes(federation)] == [node["node-id"] for node in known]
+    assert [node["node-id"] for node in federation.nodes()] == [node["node-id"] for node in known]
 
 
 def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itself(
@@ -185,12 +103,12 @@ def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itse
     assert status["complete"] is False and status["failed_partitions"] == {"1": [1]}
     # Once the SuperLink has seen it go (its heartbeat stopped), it rejoins with its key and state-dir.
     deadline = time.monotonic() + 180
-    while any(n["node-id"] == node_id for n in online_nodes(federation)) and time.monotonic() < deadline:
+    while any(n["node-id"] == node_id for n in federation.online_nodes()) and time.monotonic() < deadline:
         time.sleep(2)
     federation.node("node1-again", node)
-    while node_id not in [n["node-id"] for n in online_nodes(federation)] and time.monotonic() < deadline + 120:
+    while node_id not in [n["node-id"] for n in federation.online_nodes()] and time.monotonic() < deadline + 120:
         time.sleep(2)
-    assert node_id in [n["node-id"] for n in online_nodes(federation)]
+    assert node_id in [n["node-id"] for n in federation.online_nodes()]
 
 
 def clientapps(port: str) -> set[int]:
