@@ -38,7 +38,7 @@ from sims.deploy import CONNECTION
 from sims.launch import app_config
 from sims.loopback import LoopbackFederation
 
-from report import REPORT_HELP, markdown_table, provenance, read_json, write_json, write_markdown
+from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown
 
 NAME = "deployment_roundtrip"
 COMMAND = "python benchmarks/deployment_roundtrip.py"
@@ -140,7 +140,7 @@ def measure(args) -> dict:
             "target_warm_vs_floor": TARGET}
 
 
-def render(data: dict) -> Path:
+def render_report(data: dict, folder: Path = RESULTS) -> Path:
     trips, usl, parts = data["round_trip"], data["usl"], data["breakdown"]
     names = {"floor": "Flower's floor (ClientApp importing only flwr)",
              "per_message_process": "this system, clients.warm_worker=false (a process per message)",
@@ -178,7 +178,8 @@ def render(data: dict) -> Path:
         "Round 1 with the worker includes starting it (imports and client build, once per node).",
     ]
     return write_markdown(NAME, "Deployment round trip: Flower's floor, a process per message, the warm worker",
-                          "\n".join(body), data.get("provenance"), command=COMMAND)
+                          "\n".join(body), data.get("provenance"), command=COMMAND,
+                          folder=folder)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         if shutil.which("nginx") is None:
             parser.error("nginx is not installed (the deployment's gateway): scripts/setup.sh installs it")
         write_json(NAME, measure(args))
-    print(render(read_json(NAME)))
+    print(render_report(read_json(NAME)))
 
 
 if __name__ == "__main__":
