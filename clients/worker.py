@@ -47,6 +47,7 @@ from flwr.supercore.task_identity import TaskIdentity
 ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
 WARM_WORKER = "clients.warm_worker"
 IDLE = "clients.worker_idle_s"
+TIMEOUT = "faults.timeout_s"
 # Longest wait for a new worker to listen (its imports and nothing else; the build is per message).
 START_TIMEOUT_S = 300.0
 _LENGTH = struct.Struct("!Q")
@@ -116,10 +117,15 @@ def relay(message: Message, context: Context, address: WorkerAddress) -> Message
     header, blobs = pack_message(message)
     header["task"] = [TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id]
     context_bytes = context_to_proto(context).SerializeToString()
+    timeout = float(_setting(context, TIMEOUT))
     with connect(address, float(_setting(context, IDLE))) as channel:
-        send(channel, header, [*blobs, context_bytes])
+        # The server waits no longer for the reply; neither does this process for the worker.
+        channel.settimeout(timeout)
         try:
+            send(channel, header, [*blobs, context_bytes])
             answer, blobs = receive(channel)
+        except TimeoutError:
+            raise WorkerFailure(f"no reply from the warm worker within {TIMEOUT}={timeout}s; its log: {address.log}") from None
         except ConnectionError as error:
             raise WorkerFailure(f"the warm worker ended before it replied ({error}); its log: {address.log}") from None
     if "error" in answer:

@@ -1,8 +1,10 @@
 """The warm per-node worker (clients.worker): a relayed message is answered as the handlers
 answer it in place, one worker process serves a node's messages, a handler's error comes back
-as the ClientApp's error, and the worker leaves when idle or when its SuperNode is gone."""
+as the ClientApp's error, a worker that never answers is waited for faults.timeout_s, and the
+worker leaves when idle or when its SuperNode is gone."""
 
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -47,9 +49,9 @@ def message(message_type: str, round_: int = 1) -> Message:
     return sent
 
 
-def context(run_config, name: str, idle_s: float = 120.0) -> Context:
+def context(run_config, name: str, idle_s: float = 120.0, timeout_s: float = 30.0) -> Context:
     run_config = run_config(**{"paradigm": "cl", "clients.count": 1, "output.name": name,
-                                              WARM_WORKER: True, IDLE: idle_s})
+                               WARM_WORKER: True, IDLE: idle_s, "faults.timeout_s": timeout_s})
     return Context(run_id=1, node_id=NODE, node_config={protocol.PARTITION_ID: 0}, state=RecordDict(), run_config=run_config)
 
 
@@ -98,7 +100,12 @@ def test_the_worker_leaves_when_idle_or_when_its_supernode_is_gone(run_config, a
     gone, idle = address(supernode.pid), address()
     relay(message(protocol.PARTITION_QUERY), context(run_config, "gone"), gone)
     relay(message(protocol.PARTITION_QUERY), context(run_config, "idle", idle_s=1.0), idle)
-    assert worker_pids(gone) and gone.socket.exists()
+    (worker,) = worker_pids(gone)
+    # A worker that never answers is waited for no longer than the server waits.
+    os.kill(worker, signal.SIGSTOP)
+    with pytest.raises(WorkerFailure, match="no reply from the warm worker within faults.timeout_s=2.0s"):
+        relay(message(protocol.PARTITION_QUERY), context(run_config, "gone", timeout_s=2.0), gone)
+    os.kill(worker, signal.SIGCONT)
     supernode.kill()
     supernode.wait()
     deadline = time.monotonic() + 30

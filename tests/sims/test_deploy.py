@@ -6,7 +6,9 @@ start a run; FL goes on without a node killed mid-round, which then rejoins as i
 processes are sims.loopback's; the runs are the smallest ones (one step)."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -73,6 +75,36 @@ def test_a_stranger_at_the_gateway_can_neither_register_a_key_nor_start_a_run(fe
     assert [node["node-id"] for node in federation.nodes()] == [node["node-id"] for node in known]
 
 
+def test_usl_skips_the_turn_of_a_node_whose_message_never_gets_an_answer(federation, tmp_path):
+    config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=1 '
+              f'train.steps_per_round=1 train.batch_size=4 eval.every=0 faults.timeout_s=20.0 '
+              f'output.root="{tmp_path}" output.name="hung"')
+    run = subprocess.Popen(["flwr", "run", str(SIMS / "usl_easyvqa"), CONNECTION, "--stream", "--run-config", config],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
+    node = federation.node_commands[1]
+    port = node[node.index("--port") + 1]
+    # Node 1's warm worker (started by the partition queries, which nodes.json records) hangs:
+    # it stays up and connected, but never answers.
+    nodes_file, deadline = tmp_path / "hung" / "nodes.json", time.monotonic() + 240
+    while not (nodes_file.exists() and node_workers(port)):
+        assert time.monotonic() < deadline and run.poll() is None, "node 1 started no warm worker"
+        time.sleep(0.1)
+    hung = node_workers(port)
+    for pid in hung:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        output, _ = run.communicate(timeout=600)
+    finally:
+        for pid in hung:
+            os.kill(pid, signal.SIGCONT)
+    status = json.loads((tmp_path / "hung" / "status.json").read_text())
+    (record,) = [json.loads(line) for line in (tmp_path / "hung" / "metrics.jsonl").read_text().splitlines()]
+    node_id = next(int(n) for n, partition in json.loads(nodes_file.read_text()).items() if partition == 1)
+    assert status["state"] == "finished", output[-3000:]
+    assert status["complete"] is False and status["failed_partitions"] == {"1": [1]}
+    assert [f["client"] for f in record["faults"]] == [node_id] and "faults.timeout_s" in record["faults"][0]["reason"]
+
+
 def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itself(
         federation, tmp_path, stop_processes_naming):
     config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=1 '
@@ -122,3 +154,18 @@ def clientapps(port: str) -> set[int]:
         if "flwr-clientapp" in args and f"127.0.0.1:{port}" in args:
             found.add(int(cmdline.parent.name))
     return found
+
+
+def node_workers(port: str) -> set[int]:
+    """The warm workers (clients.worker) serving the SuperNode whose Runtime API is on `port`:
+    those started for one of its processes (the last but one argument)."""
+    commands = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            commands[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # the process ended meanwhile
+            continue
+    node = {pid for pid, args in commands.items()
+            if f"--port {port} " in " ".join(args) or f"127.0.0.1:{port}" in " ".join(args)}
+    return {pid for pid, args in commands.items()
+            if "clients.worker" in args and len(args) > 2 and args[-3].isdigit() and int(args[-3]) in node}
