@@ -2,8 +2,10 @@
 authentication), the nginx gateway and two SuperNodes. A run finishes with registered nodes
 joining through the gateway; nodes without a registered key, without a key, trusting another CA
 or speaking plain HTTP are refused; a stranger at the gateway can neither register a key nor
-start a run; FL goes on without a node killed mid-round, which then rejoins as itself. The
-processes are sims.loopback's; the runs are the smallest ones (one step)."""
+start a run; FL goes on without a node killed mid-round, which then rejoins as itself; USL
+skips the turn of a node whose message never gets an answer; a run resumes after the SuperLink
+restarts from its database. The processes are sims.loopback's; the runs are the smallest ones
+(one step)."""
 
 import json
 import os
@@ -17,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from sims.deploy import CONNECTION, certificate_authority, node_key
-from sims.loopback import STRANGER, LoopbackFederation, free_port
+from sims.loopback import STRANGER, LoopbackFederation, free_port, wait_for_port
 
 pytestmark = [pytest.mark.deployment,
               pytest.mark.skipif(shutil.which("nginx") is None,
@@ -169,3 +171,30 @@ def node_workers(port: str) -> set[int]:
             if f"--port {port} " in " ".join(args) or f"127.0.0.1:{port}" in " ".join(args)}
     return {pid for pid, args in commands.items()
             if "clients.worker" in args and len(args) > 2 and args[-3].isdigit() and int(args[-3]) in node}
+
+
+def test_a_run_resumes_after_the_superlink_restarts_from_its_database(federation, tmp_path, stop_processes_naming):
+    deployment = federation.deployment
+    config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=2 '
+              f'train.steps_per_round=1 train.batch_size=4 eval.every=0 faults.timeout_s=60.0 '
+              f'output.root="{tmp_path}" output.name="restarted"')
+    command = ["flwr", "run", str(SIMS / "fl_easyvqa"), CONNECTION, "--stream", "--run-config", config]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
+    metrics, deadline = tmp_path / "restarted" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and first.poll() is None, "round 1 did not finish"
+        time.sleep(0.2)
+    # The SuperLink dies with the ServerApp it runs, then comes back from the same database.
+    stop_processes_naming(f"--port {deployment.superlink_port}", deployment.superlink)
+    first.communicate(timeout=60)
+    assert json.loads((tmp_path / "restarted" / "status.json").read_text())["state"] != "finished"
+    link, log = federation.start("superlink-again", deployment.superlink_command())
+    wait_for_port(deployment.superlink_port, link, log)
+    deadline = time.monotonic() + 180
+    while len(federation.online_nodes()) < deployment.nodes:
+        assert time.monotonic() < deadline, "the SuperNodes did not come back to the restarted SuperLink"
+        time.sleep(2)
+    again = subprocess.run(command, capture_output=True, text=True, env=federation.env, timeout=600)
+    status = json.loads((tmp_path / "restarted" / "status.json").read_text())
+    assert status["state"] == "finished" and status["complete"], again.stdout[-3000:]
+    assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
