@@ -83,7 +83,7 @@ def certificate_authority(common_name: str, days: int = VALID_DAYS) -> tuple[ec.
 
 def server_certificate(ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, hosts: list[str],
                        days: int = VALID_DAYS) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """A certificate for the SuperLink and the gateway, valid for every one of `hosts`."""
+    """A server's certificate (the SuperLink, the gateway, Ray), valid for every one of `hosts`."""
     key = ec.generate_private_key(ec.SECP384R1())
     names = x509.SubjectAlternativeName([_san(host) for host in dict.fromkeys(hosts)])
     return key, _certificate(_name(hosts[0]), ca.subject, key, ca_key, names, False, days)
@@ -98,6 +98,31 @@ def node_key(folder: Path, name: str) -> tuple[Path, Path]:
     private.chmod(0o600)
     public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
     return private, public
+
+
+def ray_tls_environment(folder: Path, hosts: list[str]) -> dict[str, str]:
+    """Ray's mutual TLS for a simulation's local Ray, as its environment variables: a CA and one
+    certificate for `hosts` (what Ray dials: loopback and this machine's node address) in
+    `folder` (private; kept while `hosts` stay the same, so every run of one SuperLink uses the
+    same pair). Ray's servers listen on every interface, and Flower passes Ray no bind address
+    (its Ray init args are num_cpus, num_gpus, logging_level and log_to_driver), so this is what
+    keeps strangers off them: without a certificate from this CA, a connection is refused."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    ca_file, certificate_file, key_file = folder / "ca.crt", folder / "ray.crt", folder / "ray.key"
+    wanted = [_san(host) for host in dict.fromkeys(hosts)]
+    current = None
+    if certificate_file.exists() and key_file.exists() and ca_file.exists():
+        current = x509.load_pem_x509_certificate(certificate_file.read_bytes())
+    if current is None or set(current.extensions.get_extension_for_class(x509.SubjectAlternativeName).value) != set(wanted):
+        ca_key, ca = certificate_authority("qpriv simulation Ray CA")
+        key, certificate = server_certificate(ca_key, ca, hosts)
+        key_file.touch(mode=0o600)
+        key_file.write_bytes(_pem(key))
+        certificate_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": str(certificate_file), "RAY_TLS_SERVER_KEY": str(key_file),
+            "RAY_TLS_CA_CERT": str(ca_file)}
 
 
 def _split(address: str) -> tuple[str, int]:

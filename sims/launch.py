@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common.config import parse_config_args
+from ray.util import get_node_ip_address
 
 from config import RESUMABLE_KEYS, ConfigError, SimConfig, load_config
+from sims.deploy import ray_tls_environment
 from strategies.callbacks import LIVE_STATES, changed_since_written, committed_round
 from training.data import RunData
 from vlm.loading import ModelNotAvailableError, locate_weights
@@ -153,6 +155,18 @@ def installed_tools_environment() -> dict[str, str]:
     return {**os.environ, "PATH": os.pathsep.join([scripts, os.environ.get("PATH", "")])}
 
 
+def simulation_environment() -> dict[str, str]:
+    """The environment `flwr run` starts the simulation with: the installed tools, and Ray's
+    mutual TLS (sims.deploy.ray_tls_environment, kept in $FLWR_HOME/ray-tls) unless RAY_ADDRESS
+    names an existing cluster, which keeps its own settings."""
+    environment = installed_tools_environment()
+    if environment.get("RAY_ADDRESS"):
+        return environment
+    home = Path(environment.get("FLWR_HOME") or Path.home() / ".flwr")
+    hosts = ["localhost", "127.0.0.1", get_node_ip_address()]
+    return {**environment, **ray_tls_environment(home / "ray-tls", hosts)}
+
+
 def launch(
     app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
@@ -167,9 +181,7 @@ def launch(
     command = ["flwr", "run", str(app_dir), "--stream", "--federation-config", federation_config]
     if overrides:
         command += ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())]
-    process = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout_s, env=installed_tools_environment()
-    )
+    process = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=simulation_environment())
     if not status_file.exists() or status_file.stat().st_mtime_ns == previous:
         status = {"state": "unknown", "error": f"the run wrote no status to {status_file}; flwr said:\n{process.stdout[-3000:]}{process.stderr[-3000:]}"}
     else:

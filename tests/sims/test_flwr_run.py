@@ -10,7 +10,10 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -127,6 +130,76 @@ def test_fl_runs_secagg_with_central_dp_under_flwr_run(flwr_home, tmp_path):
     assert status["privacy_spent"]["dp_epsilon"] == pytest.approx(8.0, abs=0.01) == records[-1]["dp_epsilon"]
 
 
+
+
+def test_the_simulations_ray_refuses_anyone_without_its_certificate(flwr_home, tmp_path):
+    """Ray listens on every interface; the launcher's mutual TLS keeps strangers off it."""
+    overrides = {"model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "train.rounds": 6,
+                 "train.steps_per_round": 5, "train.batch_size": 4, "eval.every": 0,
+                 "output.root": str(tmp_path), "output.name": "ray-tls"}
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(launch, SIMS / "usl_easyvqa", overrides, "num-supernodes=2", 600)
+        deadline = time.monotonic() + 300
+        while (gcs := ray_gcs_server(flwr_home / "ray-tls")) is None:
+            assert time.monotonic() < deadline and not run.done(), "the run started no Ray with the launcher's TLS"
+            time.sleep(0.2)
+        pid, address = gcs
+        tls = ray_tls_variables(pid)
+        assert join_ray(address, tls).returncode == 0  # the certificate's holder joins
+        stranger = join_ray(address, {})
+        assert stranger.returncode != 0 and Path(f"/proc/{pid}").exists(), stranger.stdout[-2000:]
+        status, _, process = run.result()
+    assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+
+
+def ray_tls_variables(pid: int) -> dict[str, str]:
+    pairs = (item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+    return {key: value for key, value in pairs if key.startswith("RAY_TLS_") or key == "RAY_USE_TLS"}
+
+
+def ray_gcs_server(tls_folder: Path) -> tuple[int, str] | None:
+    """(pid, node-ip:port) of a Ray GCS server started with the certificates in `tls_folder`."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"RAY_TLS_CA_CERT={tls_folder}" not in environ.read_bytes().decode(errors="replace"):
+                continue
+            args = (environ.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+        if not args[0].endswith("gcs_server"):
+            continue
+        ip = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--node-ip-address="))
+        ports = listening_ports(int(environ.parent.name))
+        if ports:
+            return int(environ.parent.name), f"{ip}:{min(ports)}"
+    return None
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (its socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def join_ray(address: str, tls: dict[str, str]) -> subprocess.CompletedProcess:
+    """A driver joining the Ray cluster at `address` with these TLS variables (none: a stranger)."""
+    environment = {key: value for key, value in installed_tools_environment().items() if not key.startswith("RAY_")}
+    environment.update(tls, RAY_gcs_rpc_server_connect_timeout_s="10", RAY_gcs_rpc_server_reconnect_timeout_s="10")
+    code = f"import ray; ray.init(address={address!r}, logging_level='ERROR'); ray.shutdown()"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
 
 
 def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypatch, stop_processes_naming):
