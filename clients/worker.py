@@ -48,7 +48,7 @@ ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
 WARM_WORKER = "clients.warm_worker"
 IDLE = "clients.worker_idle_s"
 TIMEOUT = "faults.timeout_s"
-# Longest wait for a new worker to listen (its imports and nothing else; the build is per message).
+# Longest wait for a new worker to listen: its imports (it builds the client at its first message).
 START_TIMEOUT_S = 300.0
 _LENGTH = struct.Struct("!Q")
 
