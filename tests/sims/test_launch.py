@@ -80,7 +80,7 @@ def test_a_run_folder_is_continued_only_with_its_own_settings_and_at_least_its_r
     write_run_folder(tmp_path, "done-3", 3, **{"train.lr": 0.001, "train.rounds": 3})
     base = f'output.root="{tmp_path}" output.name="done-3"'
     line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.01 train.rounds=3")
-    assert "train.lr=0.01" in line and "only train.rounds, faults.timeout_s, output.resume may change" in line
+    assert "train.lr=0.01" in line and "only train.rounds, faults.timeout_s, output.resume, clients.warm_worker, clients.worker_idle_s may change" in line
     line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.001 train.rounds=2")
     assert "train.rounds=2" in line and ">= 3" in line and "already holds 3 finished rounds" in line
     line = refusal(capsys, USL, "--run-config", f"{base} train.lr=0.001 output.resume=false")
