@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from flwr.app import Context
 
+from clients import ONE_MESSAGE_PER_PROCESS
 from privacy import DefenseChain, OptionError
 from privacy.dp import LOCAL, SGD, noise_multiplier
 from privacy.dp_sgd import SampleLevelDP
@@ -41,7 +42,6 @@ from vlm.cuts import LayerSegment
 from vlm.features import VisionFeatureCache
 from vlm.lora import DEFAULT_ADAPTER, add_adapter, load_owner_state_dict, owner_lora_parameters, owner_state_dict
 from vlm.segments import DecoderInputs
-from clients.worker import ONE_MESSAGE_PER_PROCESS
 
 # The store part holding the step counter (the others are named after their owners).
 PROGRESS = "progress"

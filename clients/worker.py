@@ -42,9 +42,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.task_identity import TaskIdentity
 
-# Deployment's per-message process (flwr's supernode runtime.run_clientapp pulls one message,
-# replies and exits): its memory never reaches the next message.
-ONE_MESSAGE_PER_PROCESS = Path(sys.argv[0]).name == "flwr-clientapp"
+from clients import ONE_MESSAGE_PER_PROCESS
+
 WARM_WORKER = "clients.warm_worker"
 IDLE = "clients.worker_idle_s"
 TIMEOUT = "faults.timeout_s"

@@ -33,6 +33,26 @@ def federation(tmp_path_factory):
         yield fed
 
 
+def small_run(tmp_path: Path, name: str, **changes) -> str:
+    """--run-config of the smallest run of two clients (one round of one step), with `changes`."""
+    values = {"model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "clients.count": 2,
+              "train.rounds": 1, "train.steps_per_round": 1, "train.batch_size": 4, "eval.every": 0,
+              "faults.timeout_s": 30.0, "output.root": str(tmp_path), "output.name": name, **changes}
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+
+
+def federation_run(federation: LoopbackFederation, sim: str, config: str) -> subprocess.Popen:
+    """`flwr run` of sims/`sim` on the deployment, its output streamed into a pipe."""
+    return subprocess.Popen(["flwr", "run", str(SIMS / sim), CONNECTION, "--stream", "--run-config", config],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
+
+
+def runtime_port(federation: LoopbackFederation, partition: int) -> str:
+    """The Runtime API port of SuperNode `partition`, which its processes name."""
+    node = federation.node_commands[partition]
+    return node[node.index("--port") + 1]
+
+
 def test_a_run_finishes_over_tls_with_a_registered_node_joining_through_the_gateway(federation, tmp_path):
     config = (f'model.profile="tiny" data.train_limit=8 data.test_limit=4 clients.count=1 train.rounds=1 '
               f'train.steps_per_round=1 train.batch_size=4 eval.every=0 output.root="{tmp_path}" output.name="tls"')
@@ -78,13 +98,8 @@ def test_a_stranger_at_the_gateway_can_neither_register_a_key_nor_start_a_run(fe
 
 
 def test_usl_skips_the_turn_of_a_node_whose_message_never_gets_an_answer(federation, tmp_path):
-    config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=1 '
-              f'train.steps_per_round=1 train.batch_size=4 eval.every=0 faults.timeout_s=20.0 '
-              f'output.root="{tmp_path}" output.name="hung"')
-    run = subprocess.Popen(["flwr", "run", str(SIMS / "usl_easyvqa"), CONNECTION, "--stream", "--run-config", config],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
-    node = federation.node_commands[1]
-    port = node[node.index("--port") + 1]
+    run = federation_run(federation, "usl_easyvqa", small_run(tmp_path, "hung", **{"faults.timeout_s": 60.0}))
+    port = runtime_port(federation, 1)
     # Node 1's warm worker (started by the partition queries, which nodes.json records) hangs:
     # it stays up and connected, but never answers.
     nodes_file, deadline = tmp_path / "hung" / "nodes.json", time.monotonic() + 240
@@ -109,13 +124,9 @@ def test_usl_skips_the_turn_of_a_node_whose_message_never_gets_an_answer(federat
 
 def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itself(
         federation, tmp_path, stop_processes_naming):
-    config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=1 '
-              f'train.steps_per_round=1 train.batch_size=4 eval.every=0 faults.timeout_s=30.0 '
-              f'output.root="{tmp_path}" output.name="killed"')
-    run = subprocess.Popen(["flwr", "run", str(SIMS / "fl_easyvqa"), CONNECTION, "--stream", "--run-config", config],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
+    run = federation_run(federation, "fl_easyvqa", small_run(tmp_path, "killed"))
     node = federation.node_commands[1]
-    port = node[node.index("--port") + 1]
+    port = runtime_port(federation, 1)
     # Node 1 dies while a ClientApp of its trains (one it started after the run's partition
     # queries, whose answers nodes.json records).
     nodes_file, before, deadline = tmp_path / "killed" / "nodes.json", None, time.monotonic() + 240
@@ -175,11 +186,8 @@ def node_workers(port: str) -> set[int]:
 
 def test_a_run_resumes_after_the_superlink_restarts_from_its_database(federation, tmp_path, stop_processes_naming):
     deployment = federation.deployment
-    config = (f'model.profile="tiny" data.train_limit=16 data.test_limit=4 clients.count=2 train.rounds=2 '
-              f'train.steps_per_round=1 train.batch_size=4 eval.every=0 faults.timeout_s=60.0 '
-              f'output.root="{tmp_path}" output.name="restarted"')
-    command = ["flwr", "run", str(SIMS / "fl_easyvqa"), CONNECTION, "--stream", "--run-config", config]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=federation.env)
+    config = small_run(tmp_path, "restarted", **{"train.rounds": 2, "faults.timeout_s": 60.0})
+    first = federation_run(federation, "fl_easyvqa", config)
     metrics, deadline = tmp_path / "restarted" / "metrics.jsonl", time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert time.monotonic() < deadline and first.poll() is None, "round 1 did not finish"
@@ -194,7 +202,8 @@ def test_a_run_resumes_after_the_superlink_restarts_from_its_database(federation
     while len(federation.online_nodes()) < deployment.nodes:
         assert time.monotonic() < deadline, "the SuperNodes did not come back to the restarted SuperLink"
         time.sleep(2)
-    again = subprocess.run(command, capture_output=True, text=True, env=federation.env, timeout=600)
+    again = federation_run(federation, "fl_easyvqa", config)
+    again.communicate(timeout=600)
     status = json.loads((tmp_path / "restarted" / "status.json").read_text())
-    assert status["state"] == "finished" and status["complete"], again.stdout[-3000:]
+    assert status["state"] == "finished" and status["complete"], status
     assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
