@@ -50,7 +50,8 @@ def test_provenance_names_the_commit_and_the_current_recipes():
     assert stamp["commit"] and stamp["measured"] and stamp["machine"]
 
 
-@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "paradigm_costs", "defense_overhead"])
+@pytest.mark.parametrize("name", ["mini_targets", "pruning_tradeoffs", "paradigm_costs", "defense_overhead",
+                                  "deployment_roundtrip"])
 def test_the_committed_markdown_is_what_report_renders_from_the_committed_json(name, tmp_path):
     script = importlib.import_module(name)
     rendered = script.render_report(json.loads((RESULTS / f"{name}.json").read_text()), tmp_path)
