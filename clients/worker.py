@@ -172,7 +172,7 @@ def _try_connect(address: WorkerAddress) -> socket.socket | None:
 
 def send(channel: socket.socket, header: dict, blobs: list[bytes]) -> None:
     """One frame: the JSON header (with every blob's length), then the blobs."""
-    head = json.dumps({**header, "lengths": [len(blob) for blob in blobs]}).encode()
+    head = json.dumps({**header, "blob_sizes": [len(blob) for blob in blobs]}).encode()
     channel.sendall(_LENGTH.pack(len(head)) + head)
     for blob in blobs:
         channel.sendall(blob)
@@ -180,7 +180,7 @@ def send(channel: socket.socket, header: dict, blobs: list[bytes]) -> None:
 
 def receive(channel: socket.socket) -> tuple[dict, list[bytes]]:
     header = json.loads(_exactly(channel, _LENGTH.unpack(_exactly(channel, _LENGTH.size))[0]))
-    return header, [_exactly(channel, length) for length in header.pop("lengths")]
+    return header, [_exactly(channel, length) for length in header.pop("blob_sizes")]
 
 
 def _exactly(channel: socket.socket, size: int) -> bytes:
