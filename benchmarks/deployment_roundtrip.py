@@ -35,7 +35,7 @@ from pathlib import Path
 from clients.runtime import build_runtime
 from config import load_config
 from sims.deploy import CONNECTION
-from sims.launch import app_config
+from sims.launch import app_config, toml_value
 from sims.loopback import LoopbackFederation
 
 from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown
@@ -61,7 +61,7 @@ def floor_app(folder: Path) -> Path:
 
 
 def run_config(values: dict) -> str:
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+    return " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
 
 
 def flwr_run(federation: LoopbackFederation, app: Path, values: dict, timeout: float) -> dict:

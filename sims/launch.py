@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common.config import parse_config_args
-from ray.util import get_node_ip_address
 
 from config import RESUMABLE_KEYS, ConfigError, SimConfig, load_config
 from sims.deploy import ray_tls_environment
@@ -162,6 +161,10 @@ def simulation_environment() -> dict[str, str]:
     environment = installed_tools_environment()
     if environment.get("RAY_ADDRESS"):
         return environment
+    # Ray is imported only here, for the address it will dial: in-process sweeps and the
+    # deployment tools import this module without ever starting Ray.
+    from ray.util import get_node_ip_address
+
     home = Path(environment.get("FLWR_HOME") or Path.home() / ".flwr")
     hosts = ["localhost", "127.0.0.1", get_node_ip_address()]
     return {**environment, **ray_tls_environment(home / "ray-tls", hosts)}

@@ -40,19 +40,30 @@ def wait_for_port(port: int, process: subprocess.Popen, log: Path, timeout: floa
     raise TimeoutError(f"nothing listens on {port} after {timeout}s: {log.read_text()[-2000:]}")
 
 
+def command_lines() -> dict[int, list[str]]:
+    """Every process's arguments, by process id (those that ended while being read left out)."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
 def stop_processes_naming(*markers: str) -> None:
     """Kill the processes whose command line holds one of `markers` (a path, a port that only
     they name) and their descendants: a SuperExec detaches from its SuperLink or SuperNode, and
     Ray's agents rename themselves, so neither is reachable as a child of what was started."""
     parents, matched = {}, set()
-    for proc in Path("/proc").glob("[0-9]*"):
+    for pid, args in command_lines().items():
         try:
-            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):  # the process ended meanwhile
             continue
-        if any(marker in args for marker in markers) and int(proc.name) != os.getpid():
-            matched.add(int(proc.name))
+        line = " ".join(args) + " "  # markers may end in a space: "--port 9094 "
+        if any(marker in line for marker in markers) and pid != os.getpid():
+            matched.add(pid)
     grew = True
     while grew:
         children = {pid for pid, parent in parents.items() if parent in matched} - matched

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from clients.app import app as client_app
 from clients.worker import IDLE, WARM_WORKER, WorkerAddress, WorkerFailure, pack_message, relay, unpack_message
+from sims.loopback import command_lines
 from training import protocol
 
 NODE = 7
@@ -56,14 +56,7 @@ def context(run_config, name: str, idle_s: float = 120.0, timeout_s: float = 30.
 
 
 def worker_pids(address: WorkerAddress) -> set[int]:
-    found = set()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(address.socket) in cmdline.read_bytes().decode(errors="replace"):
-                found.add(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
+    return {pid for pid, args in command_lines().items() if str(address.socket) in args}
 
 
 def test_a_message_survives_the_socket_format_whole():

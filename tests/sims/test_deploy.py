@@ -19,7 +19,8 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from sims.deploy import CONNECTION, certificate_authority, node_key
-from sims.loopback import STRANGER, LoopbackFederation, free_port, wait_for_port
+from sims.launch import toml_value
+from sims.loopback import STRANGER, LoopbackFederation, command_lines, free_port, wait_for_port
 
 pytestmark = [pytest.mark.deployment,
               pytest.mark.skipif(shutil.which("nginx") is None,
@@ -38,7 +39,7 @@ def small_run(tmp_path: Path, name: str, **changes) -> str:
     values = {"model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "clients.count": 2,
               "train.rounds": 1, "train.steps_per_round": 1, "train.batch_size": 4, "eval.every": 0,
               "faults.timeout_s": 30.0, "output.root": str(tmp_path), "output.name": name, **changes}
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+    return " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
 
 
 def federation_run(federation: LoopbackFederation, sim: str, config: str) -> subprocess.Popen:
@@ -158,30 +159,18 @@ def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itse
 
 def clientapps(port: str) -> set[int]:
     """The ids of the ClientApp processes serving the SuperNode whose Runtime API is on `port`."""
-    found = set()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # the process ended meanwhile
-            continue
-        if "flwr-clientapp" in args and f"127.0.0.1:{port}" in args:
-            found.add(int(cmdline.parent.name))
-    return found
+    return {pid for pid, args in command_lines().items()
+            if "flwr-clientapp" in " ".join(args) and f"127.0.0.1:{port}" in " ".join(args)}
 
 
 def node_workers(port: str) -> set[int]:
     """The warm workers (clients.worker) serving the SuperNode whose Runtime API is on `port`:
     those started for one of its processes (the last but one argument)."""
-    commands = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            commands[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")
-        except OSError:  # the process ended meanwhile
-            continue
+    commands = command_lines()
     node = {pid for pid, args in commands.items()
-            if f"--port {port} " in " ".join(args) or f"127.0.0.1:{port}" in " ".join(args)}
+            if f"--port {port} " in " ".join(args) + " " or f"127.0.0.1:{port}" in " ".join(args)}
     return {pid for pid, args in commands.items()
-            if "clients.worker" in args and len(args) > 2 and args[-3].isdigit() and int(args[-3]) in node}
+            if "clients.worker" in args and len(args) > 1 and args[-2].isdigit() and int(args[-2]) in node}
 
 
 def test_a_run_resumes_after_the_superlink_restarts_from_its_database(federation, tmp_path, stop_processes_naming):

@@ -111,9 +111,11 @@ def test_overrides_are_read_as_flwr_reads_them_quoted_spaces_and_toml_files_incl
 
 
 def test_what_passes_reaches_flwr_run_with_one_supernode_per_client(monkeypatch, tmp_path):
-    started = []
+    started, real_run = [], subprocess.run
 
     def run(command, **kwargs):
+        if command[0] != "flwr":  # what Ray runs when the launcher first imports it
+            return real_run(command, **kwargs)
         started.append(command)
         return subprocess.CompletedProcess(command, 0, "", "")
 
