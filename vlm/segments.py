@@ -100,20 +100,25 @@ class DecoderInputs:
     visual_token_mask: torch.Tensor
 
 
-def _placeholder_index(prompt: torch.Tensor, image_token_id: int, sample: int) -> int:
-    positions = (prompt == image_token_id).nonzero().flatten()
-    if positions.numel() != 1:
+# One sample's visual embeddings: [k, D] for a prompt with one image placeholder, or one
+# [k_i, D] per placeholder, in order, for a multi-image prompt (in-context demonstrations).
+SampleVisual = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _placeholder_indices(prompt: torch.Tensor, image_token_id: int, sample: int, images: int) -> list[int]:
+    positions = (prompt == image_token_id).nonzero().flatten().tolist()
+    if len(positions) != images:
         raise ValueError(
             f"prompt {sample} contains the image placeholder token (id {image_token_id}) "
-            f"{positions.numel()} times; it must appear exactly once"
+            f"{len(positions)} times; it must appear exactly once per image ({images})"
         )
-    return int(positions[0])
+    return positions
 
 
 def merge_multimodal_inputs(
     model: nn.Module,
     prompt_ids: Sequence[torch.Tensor],
-    visual_embeds: Sequence[torch.Tensor],
+    visual_embeds: Sequence[SampleVisual],
     answer_ids: Sequence[torch.Tensor] | None = None,
     *,
     answer_label_masks: Sequence[torch.Tensor] | None = None,
@@ -121,8 +126,9 @@ def merge_multimodal_inputs(
 ) -> DecoderInputs:
     """Decoder inputs from per-sample prompts, visual tokens and optional answers.
 
-    Each prompt holds exactly one image placeholder, replaced by that sample's k_b
-    visual embeddings (k_b varies after pruning). Answers are appended and become the
+    Each prompt holds one image placeholder per image of its sample, each replaced by that
+    image's k visual embeddings (k varies after pruning); a sample's visual embeddings are one
+    tensor for a one-image prompt or a sequence of them, in placeholder order. Answers are appended and become the
     labels (IGNORE_INDEX elsewhere); `answer_label_masks` (one bool per answer token)
     leaves unlabelled what a multi-turn conversation's continuation holds besides
     the answers (the later turns' questions). Positions are cumsum(mask) - 1, so kept visual
@@ -149,28 +155,32 @@ def merge_multimodal_inputs(
     sequences, label_rows, visual_rows = [], [], []
     for sample, (prompt, visual) in enumerate(zip(prompt_ids, visual_embeds, strict=True)):
         prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
-        split_at = _placeholder_index(prompt, image_token_id, sample)
+        images = [visual] if isinstance(visual, torch.Tensor) else list(visual)
+        placeholders = _placeholder_indices(prompt, image_token_id, sample, len(images))
         answer = (
             torch.as_tensor(answer_ids[sample], dtype=torch.long, device=device)
             if answer_ids is not None
             else prompt.new_empty(0)
         )
-        text_embeds = embed_tokens(torch.cat([prompt[:split_at], prompt[split_at + 1 :], answer]))
-        num_before, num_visual = split_at, visual.shape[0]
-        num_prompt_after = prompt.numel() - split_at - 1
-        sequences.append(
-            torch.cat([text_embeds[:num_before], visual.to(device, dtype), text_embeds[num_before:]])
-        )
-        num_unlabelled = num_before + num_visual + num_prompt_after
+        is_text = prompt != image_token_id
+        text_embeds = embed_tokens(torch.cat([prompt[is_text], answer]))
+        pieces, visual_row, text_start = [], [], 0
+        for index, (placeholder, image) in enumerate(zip(placeholders, images)):
+            text_stop = placeholder - index  # the text tokens before this placeholder
+            pieces += [text_embeds[text_start:text_stop], image.to(device, dtype)]
+            visual_row += [False] * (text_stop - text_start) + [True] * image.shape[0]
+            text_start = text_stop
+        pieces.append(text_embeds[text_start:])
+        visual_row += [False] * (text_embeds.shape[0] - text_start)
+        sequences.append(torch.cat(pieces))
+        num_unlabelled = len(visual_row) - answer.numel()
         labels_of_answer = (
             answer
             if answer_label_masks is None
             else answer.masked_fill(~torch.as_tensor(answer_label_masks[sample], device=device), IGNORE_INDEX)
         )
         label_rows.append(torch.cat([prompt.new_full((num_unlabelled,), IGNORE_INDEX), labels_of_answer]))
-        visual_row = torch.zeros(num_unlabelled + answer.numel(), dtype=torch.bool, device=device)
-        visual_row[num_before : num_before + num_visual] = True
-        visual_rows.append(visual_row)
+        visual_rows.append(torch.tensor(visual_row, dtype=torch.bool, device=device))
 
     length = max(sequence.shape[0] for sequence in sequences)
     batch = len(sequences)
@@ -272,7 +282,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def greedy_generate(
     model: nn.Module,
     prompt_ids: Sequence[torch.Tensor],
-    visual_embeds: Sequence[torch.Tensor],
+    visual_embeds: Sequence[SampleVisual],
     *,
     max_new_tokens: int,
     eos_token_id: int | None = None,

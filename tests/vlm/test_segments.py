@@ -69,11 +69,12 @@ def monolithic_logits(model: torch.nn.Module, inputs: DecoderInputs) -> torch.Te
 
 
 def expand_for_reference(prompts: list[torch.Tensor], num_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLaVA's own input format: N image tokens in place of the placeholder, left-padded."""
+    """LLaVA's own input format: N image tokens in place of each placeholder, left-padded."""
     expanded = []
     for prompt in prompts:
-        at = int((prompt == TINY.image_token_id).nonzero())
-        expanded.append(torch.cat([prompt[:at], torch.full((num_patches,), TINY.image_token_id), prompt[at + 1 :]]))
+        pieces = [torch.full((num_patches,), TINY.image_token_id) if token == TINY.image_token_id else token[None]
+                  for token in prompt]
+        expanded.append(torch.cat(pieces))
     length = max(len(ids) for ids in expanded)
     input_ids = torch.full((len(expanded), length), TINY.text["pad_token_id"])
     attention_mask = torch.zeros_like(input_ids)
@@ -127,6 +128,31 @@ def test_segments_reproduce_llava_forward_without_pruning(tiny_model, pixel_valu
     assert torch.equal(inputs.attention_mask, attention_mask)
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], reference[real], **TOLERANCE)
+
+
+def test_multi_image_prompts_reproduce_llava_forward(tiny_model, pixel_values):
+    """In-context demonstrations: a prompt with one placeholder per image, each replaced by its own
+    image's tokens in order, as LLaVA's forward does with several images in one prompt."""
+    image = TINY.image_token_id
+    prompts = [torch.tensor([5, image, 6, 7, image, 8]), torch.tensor([9, image, 10, image, 11, image, 12])]
+    with torch.no_grad():
+        visual = project_visual_features(tiny_model, vision_features(tiny_model, pixel_values))
+        inputs = merge_multimodal_inputs(tiny_model, prompts, [(visual[0], visual[1]), tuple(visual)])
+        logits = run_decoder_layers(tiny_model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids,
+                                    0, TINY.num_layers, apply_head=True)
+        input_ids, attention_mask = expand_for_reference(prompts, TINY.num_patches)
+        reference = tiny_model(
+            input_ids=input_ids,
+            pixel_values=torch.cat([pixel_values[:2], pixel_values]),
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+        ).logits
+    assert inputs.visual_token_mask.sum(-1).tolist() == [2 * TINY.num_patches, 3 * TINY.num_patches]
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], reference[real], **TOLERANCE)
+    with pytest.raises(ValueError, match="2 times; it must appear exactly once per image \\(3\\)"):
+        merge_multimodal_inputs(tiny_model, prompts[:1], [tuple(visual)])
 
 
 @pytest.mark.parametrize("padding_side", PADDING_SIDES)
@@ -270,9 +296,9 @@ def test_merge_rejects_label_masks_that_do_not_fit_the_answers(tiny_model, make_
 
 
 @pytest.mark.parametrize("placeholders", [0, 2])
-def test_merge_rejects_prompt_without_exactly_one_placeholder(tiny_model, placeholders):
+def test_merge_rejects_a_prompt_whose_placeholders_do_not_match_its_images(tiny_model, placeholders):
     prompt = torch.tensor([5, 6] + [TINY.image_token_id] * placeholders + [7])
-    with pytest.raises(ValueError, match=f"{placeholders} times; it must appear exactly once"):
+    with pytest.raises(ValueError, match=f"{placeholders} times; it must appear exactly once per image"):
         merge_multimodal_inputs(tiny_model, [prompt], [torch.randn(3, TINY.hidden_size)])
 
 
