@@ -168,8 +168,10 @@ MINI = register_pruning_profile(
     )
 )
 
-# The mini variant whose vision stage keeps patch positions has the mini's encoders.
+# The mini variants (a vision stage that keeps patch positions, a base that learned in-context
+# demonstrations) have the mini's encoders.
 MINI_POSITIONAL = register_pruning_profile(dataclasses.replace(MINI, name="mini-positional"))
+MINI_INTERLEAVED = register_pruning_profile(dataclasses.replace(MINI, name="mini-interleaved"))
 
 TINY = register_pruning_profile(
     PruningProfile(

@@ -80,7 +80,7 @@ class ModelBundle:
 ModelLoader = Callable[..., ModelBundle]
 
 _LOADERS: dict[str, ModelLoader] = {}
-LAZY_LOADER_MODULES = {"mini": "vlm.mini", "mini-positional": "vlm.mini"}
+LAZY_LOADER_MODULES = {"mini": "vlm.mini", "mini-positional": "vlm.mini", "mini-interleaved": "vlm.mini"}
 
 
 def register_loader(profile_name: str, loader: ModelLoader, *, replace: bool = False) -> None:

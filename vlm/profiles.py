@@ -258,6 +258,15 @@ MINI_POSITIONAL = register_profile(
             description="The mini model whose visual rows keep their patch position (SARA, the positionless edge)")
 )
 
+# The same architecture, whose base stage also learned from multi-image conversations
+# (vlm/mini/recipe.py: base_interleaved_share), as interleaved-data VLMs do: the mini's base
+# answers no better with in-context demonstrations than without, and task vectors (seed 003)
+# distil what demonstrations teach, so they are measured on this one.
+MINI_INTERLEAVED = register_profile(
+    dataclasses.replace(MINI, name="mini-interleaved",
+            description="The mini model that learned in-context demonstrations in its base stage (task vectors, DP-MTV)")
+)
+
 TINY = register_profile(
     Profile(
         name="tiny",

@@ -20,6 +20,7 @@ from vqa.prompts import (
     SHORT_ANSWER_INSTRUCTION,
     PromptPair,
     build_follow_up_prompt,
+    build_in_context_prompt,
     build_prompt,
     build_training_pair,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "VQASample",
     "aggregate_accuracy",
     "build_follow_up_prompt",
+    "build_in_context_prompt",
     "build_prompt",
     "build_training_pair",
     "canonical_answer",

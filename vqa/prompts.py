@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The one spelling of the image placeholder; the processor expands it into patch tokens.
@@ -34,6 +35,21 @@ def build_follow_up_prompt(question: str, instruction: str | None = SHORT_ANSWER
     """A later turn of the same conversation, ``USER: {question}\\n{instruction} ASSISTANT:``:
     LLaVA-1.5 shows the image once, in the first turn, and trains on multi-turn conversations."""
     return f"USER: {_question_body(question, instruction)} ASSISTANT:"
+
+
+def build_in_context_prompt(
+    demonstrations: Sequence[tuple[str, str]],
+    question: str,
+    instruction: str | None = SHORT_ANSWER_INSTRUCTION,
+    *,
+    end_of_turn: str,
+) -> str:
+    """In-context demonstrations, then the question: one LLaVA-1.5 multi-image conversation in
+    which every turn shows its own image, ``USER: <image>\\n{q_1} ASSISTANT: {a_1}{end_of_turn}...
+    USER: <image>\\n{question} ASSISTANT:``. `end_of_turn` is the tokenizer's end-of-sequence
+    token, which closes each assistant turn in LLaVA-1.5's conversations."""
+    turns = [f"{build_prompt(q, instruction)} {a.strip()}{end_of_turn}" for q, a in demonstrations]
+    return "".join(turns) + build_prompt(question, instruction)
 
 
 def _question_body(question: str, instruction: str | None) -> str:

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from vqa.prompts import IMAGE_PLACEHOLDER, build_follow_up_prompt, build_prompt, build_training_pair
+from vqa.prompts import (
+    IMAGE_PLACEHOLDER,
+    build_follow_up_prompt,
+    build_in_context_prompt,
+    build_prompt,
+    build_training_pair,
+)
 
 
 def test_llava_short_answer_prompt_is_exact() -> None:
@@ -32,3 +38,12 @@ def test_a_follow_up_turn_has_no_image_and_the_same_question_body() -> None:
 def test_an_image_placeholder_in_the_question_is_refused(make_prompt) -> None:
     with pytest.raises(ValueError, match="image placeholder"):
         make_prompt(f"what is {IMAGE_PLACEHOLDER}?")
+
+
+def test_an_in_context_prompt_shows_each_demonstration_with_its_own_image_then_the_question():
+    prompt = build_in_context_prompt([("What shape?", " circle "), ("What color?", "red")], "Is it blue?", None,
+                                     end_of_turn="</s>")
+    assert prompt == (f"USER: {IMAGE_PLACEHOLDER}\nWhat shape? ASSISTANT: circle</s>"
+                      f"USER: {IMAGE_PLACEHOLDER}\nWhat color? ASSISTANT: red</s>"
+                      f"{build_prompt('Is it blue?', None)}")
+    assert build_in_context_prompt([], "Is it blue?", end_of_turn="</s>") == build_prompt("Is it blue?")

@@ -2,7 +2,8 @@
 
 Importing this package registers its loader, so `vlm.load_model("mini", stage=...)`
 finds the built model (`stage="base"` before the VQA LoRA stage, `"vqa"` after); the
-`mini-positional` profile is the same model built with its own recipe (recipe.RECIPES).
+`mini-positional` and `mini-interleaved` profiles are the same model built with their own
+recipes (recipe.RECIPES).
 """
 
 from vlm.loading import register_loader

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qpriv-mini", description=__doc__)
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $QPRIV_CACHE_DIR)")
     parser.add_argument("--profile", choices=list(RECIPES), default="mini",
-                        help="which mini model: mini, or mini-positional (its visual rows keep their patch position)")
+                        help="which mini model: mini, mini-positional (its visual rows keep their patch position) "
+                             "or mini-interleaved (its base learned from in-context demonstrations)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("build", help="train the mini model (resumes an interrupted build)")
     evaluate = commands.add_parser("evaluate", help="accuracy on the easy-VQA test split (builds first if needed)")

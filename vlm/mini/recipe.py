@@ -72,6 +72,20 @@ class MiniRecipe:
     # the color: Is the shape red?" -> "red" (LLaVA-1.5's mix has text-only instructions
     # too) teaches reading the named attribute on its own, so the comparison emerges early.
     base_repeat_weight: int = 2
+    # In-context learning (the mini-interleaved profile), which interleaved-data VLMs learn in
+    # pretraining and a base of one-image conversations never does (it answers as well with
+    # demonstrations as without): this share of the all-token steps are multi-image
+    # conversations, 1..base_interleaved_max_demos demonstrations (image, question, answer) of
+    # one task and then a target of the same task, learned on the target's answer. In
+    # base_interleaved_hidden_share of them every turn asks the same uninformative question
+    # (interleaved_hidden_questions), so only the demonstrations' answers say whether the
+    # colour, the shape or a description is asked: a task read from the demonstrations, which
+    # is what a new wording needs. Demonstrations keep 1..all of their visual tokens (as the
+    # base's tail), the target all.
+    base_interleaved_share: float = 0.0
+    base_interleaved_max_demos: int = 4
+    base_interleaved_hidden_share: float = 0.5
+    interleaved_hidden_questions: tuple[str, ...] = ("What about this one?", "And this image?", "What is the answer here?")
     # The yes/no wordings per attribute, all positive: the LoRA stage is left negation and
     # easy-VQA's other phrasings. Several wordings tie the comparison to what a question
     # means rather than to one phrasing, so the LoRA stage can map easy-VQA's questions
@@ -125,6 +139,11 @@ class MiniRecipe:
         for name in ("vision_token_loss_weight", "vision_position_loss_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        for name in ("base_interleaved_share", "base_interleaved_hidden_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be within [0, 1]")
+        if self.base_interleaved_max_demos < 1:
+            raise ValueError(f"base_interleaved_max_demos={self.base_interleaved_max_demos}: must be at least 1")
         if not 0.0 <= self.vqa_random_keep_share <= 1.0:
             raise ValueError(f"vqa_random_keep_share={self.vqa_random_keep_share}: must be within [0, 1]")
         if self.vqa_max_turns < 1:
@@ -138,11 +157,23 @@ class MiniRecipe:
 
 
 # Recipe fields added after the first builds, with the default that leaves a build as it was.
-_ADDED_LATER = {"vision_position_loss_weight": 0.0}
+_ADDED_LATER = {
+    "vision_position_loss_weight": 0.0,
+    "base_interleaved_share": 0.0,
+    "base_interleaved_max_demos": 4,
+    "base_interleaved_hidden_share": 0.5,
+    "interleaved_hidden_questions": ("What about this one?", "And this image?", "What is the answer here?"),
+}
 
 
 # The recipe each mini profile is built with (vlm/profiles.py registers the profiles).
-RECIPES = {"mini": MiniRecipe(), "mini-positional": MiniRecipe(vision_position_loss_weight=1.0)}
+RECIPES = {
+    "mini": MiniRecipe(),
+    "mini-positional": MiniRecipe(vision_position_loss_weight=1.0),
+    # A longer all-token tail (2,375 steps, half of them interleaved) gives in-context learning
+    # its own steps without shortening the few-token phase that seed 0 needed (2,625 steps).
+    "mini-interleaved": MiniRecipe(base_interleaved_share=0.5, base_steps=5000, base_few_tokens_share=0.525),
+}
 
 
 def recipe_for(profile: str) -> MiniRecipe:

@@ -49,7 +49,7 @@ from vlm.segments import (
     run_decoder_layers,
     vision_features,
 )
-from vqa import VQASample, aggregate_accuracy, build_follow_up_prompt, build_prompt
+from vqa import VQASample, aggregate_accuracy, build_follow_up_prompt, build_in_context_prompt, build_prompt
 
 UNKNOWN_LABEL = -1
 
@@ -197,7 +197,12 @@ def _generated_instruction(attributes: ImageAttributes, rng: random.Random, reci
         if getattr(attributes, attribute):
             tasks += [f"is_{attribute}"] * recipe.base_yes_no_weight + [f"which_{attribute}"]
             tasks += [f"repeat_{attribute}"] * recipe.base_repeat_weight
-    task, _, attribute = rng.choice(tasks).partition("_")
+    return _task_instruction(rng.choice(tasks), attributes, rng, recipe)
+
+
+def _task_instruction(task: str, attributes: ImageAttributes, rng: random.Random, recipe: MiniRecipe) -> tuple[str, str]:
+    """(question, answer) of one task ("describe", "is_color", "which_shape", "repeat_color", ...) about an image."""
+    task, _, attribute = task.partition("_")
     if task == "describe":
         return "Describe the image.", attributes.caption()
     if task == "which" and attribute == "color":
@@ -208,6 +213,33 @@ def _generated_instruction(attributes: ImageAttributes, rng: random.Random, reci
         return yes_no_instruction(attributes, attribute, rng, recipe)
     question, asked, _ = _named_yes_no_question(attributes, attribute, rng, recipe)
     return repeat_instruction(attribute, question), asked
+
+
+# The tasks of interleaved conversations: what an image has to show for each, and whether
+# it can be asked with an uninformative question (a yes/no question must name a value).
+_INTERLEAVED_TASKS = {
+    "describe": (None, True), "which_color": ("color", True), "which_shape": ("shape", True),
+    "is_color": ("color", False), "is_shape": ("shape", False),
+}
+
+
+def interleaved_conversation(
+    attributes: Mapping[str, ImageAttributes], image_ids: Sequence[str], rng: random.Random, recipe: MiniRecipe
+) -> list[tuple[str, str, str]]:
+    """(image id, question, answer) of 1..base_interleaved_max_demos demonstrations and a last
+    target, all of one task; with base_interleaved_hidden_share, every turn asks one
+    uninformative question (recipe.interleaved_hidden_questions), so the task is in the answers."""
+    hidden = rng.random() < recipe.base_interleaved_hidden_share
+    task = rng.choice([name for name, (_, askable) in _INTERLEAVED_TASKS.items() if askable or not hidden])
+    needs = _INTERLEAVED_TASKS[task][0]
+    candidates = [image_id for image_id in image_ids if needs is None or getattr(attributes[image_id], needs)]
+    chosen = rng.sample(candidates, rng.randint(1, recipe.base_interleaved_max_demos) + 1)
+    question = rng.choice(recipe.interleaved_hidden_questions)
+    turns = []
+    for image_id in chosen:
+        asked, answer = _task_instruction(task, attributes[image_id], rng, recipe)
+        turns.append((image_id, question if hidden else asked, answer))
+    return turns
 
 
 def distinct_instructions(
@@ -258,6 +290,8 @@ def instruction_texts(recipe: MiniRecipe) -> list[str]:
     }
     texts += [question for questions in yes_no.values() for question in questions]
     texts += [repeat_instruction(attribute, questions[0]) for attribute, questions in yes_no.items()]
+    if recipe.base_interleaved_share:
+        texts += list(recipe.interleaved_hidden_questions)
     return texts
 
 
@@ -313,6 +347,31 @@ def _random_token_subset(features: torch.Tensor, max_tokens: int, rng: random.Ra
     """1..max_tokens visual tokens (log-uniform count), kept in their original order."""
     count = round(math.exp(rng.uniform(0.0, math.log(min(max_tokens, features.shape[0])))))
     return features[sorted(rng.sample(range(features.shape[0]), count))]
+
+
+def _in_context_loss(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    visual: Sequence[Sequence[torch.Tensor]],
+    conversations: Sequence[Sequence[tuple[str, str]]],
+    instruction: str | None,
+) -> torch.Tensor:
+    """Next-token loss on the last turn's answer of multi-image conversations (each turn its own
+    image): the earlier turns are in-context demonstrations."""
+    prompts = [
+        torch.tensor(_token_ids(tokenizer, build_in_context_prompt(
+            turns[:-1], turns[-1][0], instruction, end_of_turn=tokenizer.eos_token)))
+        for turns in conversations
+    ]
+    answers = [torch.tensor(_token_ids(tokenizer, " " + turns[-1][1]) + [tokenizer.eos_token_id]) for turns in conversations]
+    inputs = merge_multimodal_inputs(
+        model, prompts, [[project_visual_features(model, tokens) for tokens in images] for images in visual], answers
+    )
+    logits = run_decoder_layers(
+        model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, llava_parts(model).num_layers,
+        apply_head=True,
+    )
+    return next_token_loss(logits, inputs.labels)
 
 
 @dataclass
@@ -429,6 +488,18 @@ def train_base(
 
     def step_loss(step: int) -> torch.Tensor:
         few_tokens = step < few_tokens_end
+        # Drawn only when the recipe interleaves, so a recipe without it builds as it always did.
+        if not few_tokens and recipe.base_interleaved_share and rng.random() < recipe.base_interleaved_share:
+            batch_size = max(1, recipe.base_batch_size // (recipe.base_interleaved_max_demos + 1))
+            conversations = [interleaved_conversation(attributes, described, rng, recipe) for _ in range(batch_size)]
+            visual = [
+                [_random_token_subset(features[image_id], parts.config.image_seq_length, rng) for image_id, _, _ in turns[:-1]]
+                + [features[turns[-1][0]]]
+                for turns in conversations
+            ]
+            return _in_context_loss(
+                model, tokenizer, visual, [[(q, a) for _, q, a in turns] for turns in conversations], recipe.instruction
+            )
         max_tokens = recipe.base_few_tokens_max if few_tokens else parts.config.image_seq_length
         turns = 1 if few_tokens else recipe.base_all_tokens_turns
         image_ids = [rng.choice(described) for _ in range(recipe.base_batch_size // turns)]

@@ -129,6 +129,17 @@ def test_an_unknown_stage_is_rejected_with_the_allowed_ones(tmp_path):
         load_mini(stage="final", recipe=QUICK, root=tmp_path)
 
 
+def test_an_interleaved_base_trains_on_multi_image_conversations(built, tmp_path):
+    """The all-token steps of an interleaved recipe are in-context conversations: the same seed
+    and steps build another base than the one-image recipe, and the new words are in the vocabulary."""
+    interleaved = replace(QUICK, base_interleaved_share=1.0, base_few_tokens_share=0.0, base_few_tokens_max_steps=0)
+    folder = build_mini(interleaved, root=tmp_path, progress=False)
+    plain = build_mini(replace(interleaved, base_interleaved_share=0.0), root=tmp_path, progress=False)
+    assert not torch.equal(load_file(folder.base)["lm_head.weight"], load_file(plain.base)["lm_head.weight"])
+    tokenizer = load_mini(stage="base", recipe=interleaved, root=tmp_path).tokenizer
+    assert tokenizer.unk_token_id not in tokenizer(interleaved.interleaved_hidden_questions[0])["input_ids"]
+
+
 def test_changing_the_recipe_changes_the_cache_folder(tmp_path):
     assert MiniFolder(QUICK, tmp_path).path != MiniFolder(MiniRecipe(seed=1), tmp_path).path
 

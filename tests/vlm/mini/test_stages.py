@@ -15,6 +15,7 @@ from vlm.mini.stages import (
     StageSchedule,
     distinct_instructions,
     image_conversations,
+    interleaved_conversation,
     own_wording_yes_no,
     pretrain_vision,
 )
@@ -52,6 +53,28 @@ def test_a_base_conversation_never_repeats_a_question():
         turns = distinct_instructions(ImageAttributes(shape="circle", color="red"), 4, rng, recipe)
         assert len(turns) == 4
         assert len({question for question, _ in turns}) == 4
+
+
+def test_an_interleaved_conversation_is_demonstrations_and_a_target_of_one_task():
+    samples = list(load_vqa("easyvqa", "train"))[:600]
+    attributes = image_attributes(samples)
+    recipe, rng = MiniRecipe(base_interleaved_share=0.5), random.Random(0)
+    hidden_seen = 0
+    for _ in range(300):
+        turns = interleaved_conversation(attributes, sorted(attributes), rng, recipe)
+        assert 2 <= len(turns) <= recipe.base_interleaved_max_demos + 1
+        assert len({image_id for image_id, _, _ in turns}) == len(turns)
+        questions = {question for _, question, _ in turns}
+        if questions <= set(recipe.interleaved_hidden_questions):
+            hidden_seen += 1
+            assert len(questions) == 1
+            # Which attribute is asked shows only in the answers, and they agree on it.
+            kinds = {"color" if a in COLORS else "shape" if a in SHAPES else "caption" for _, _, a in turns}
+            assert len(kinds) == 1
+            for image_id, _, answer in turns:
+                seen = attributes[image_id]
+                assert answer in (seen.color, seen.shape, seen.caption())
+    assert 100 < hidden_seen < 200
 
 
 def test_a_repeat_instruction_answers_the_attribute_its_question_names_not_the_one_seen():
@@ -104,6 +127,8 @@ def test_own_wording_checks_ask_colour_and_shape_of_each_image_and_answer_them_t
         ({"base_attempts": 0}, "base_attempts=0: must be at least 1"),
         ({"vqa_random_keep_share": -0.1}, r"vqa_random_keep_share=-0.1: must be within \[0, 1\]"),
         ({"vision_position_loss_weight": -1.0}, "vision_position_loss_weight=-1.0: must be >= 0"),
+        ({"base_interleaved_share": 1.5}, r"base_interleaved_share=1.5: must be within \[0, 1\]"),
+        ({"base_interleaved_max_demos": 0}, "base_interleaved_max_demos=0: must be at least 1"),
     ],
 )
 def test_recipe_rejects_settings_that_do_not_fit(settings, message):
@@ -138,9 +163,13 @@ def test_a_field_added_at_its_default_keeps_every_earlier_build_s_cache_key():
     from dataclasses import asdict
 
     recipe = MiniRecipe()
-    earlier = {k: v for k, v in asdict(recipe).items() if k != "vision_position_loss_weight"}
+    added_later = {"vision_position_loss_weight", "base_interleaved_share", "base_interleaved_max_demos",
+                   "base_interleaved_hidden_share", "interleaved_hidden_questions"}
+    earlier = {k: v for k, v in asdict(recipe).items() if k not in added_later}
     assert recipe.fingerprint() == hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:12]
+    assert recipe.fingerprint() == "1869deac289f"
     assert MiniRecipe(vision_position_loss_weight=1.0).fingerprint() != recipe.fingerprint()
+    assert MiniRecipe(base_interleaved_share=0.5).fingerprint() != recipe.fingerprint()
 
 
 def test_the_position_loss_makes_the_features_name_their_patch():
