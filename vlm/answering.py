@@ -14,18 +14,28 @@ from transformers import PreTrainedTokenizerBase
 
 from vlm.features import VisionFeatureCache
 from vlm.segments import greedy_generate, project_visual_features
-from vqa import VQASample, build_prompt
+from vqa import VQASample, build_in_context_prompt
 
 # Per-sample visual tokens before projection, [N, Dv] -> [k, Dv]: pruning, ablations.
 VisualTokenTransform = Callable[[VQASample, torch.Tensor], torch.Tensor]
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, samples: Sequence[VQASample], instruction: str | None
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[VQASample],
+    instruction: str | None,
+    demonstrations: Sequence[Sequence[VQASample]] | None = None,
 ) -> list[torch.Tensor]:
+    """Each sample's prompt ids; with `demonstrations` (per sample), its in-context
+    demonstrations first, one image placeholder per demonstration and one for the sample."""
+    demonstrations = demonstrations if demonstrations is not None else [()] * len(samples)
+    if len(demonstrations) != len(samples):
+        raise ValueError(f"got {len(samples)} samples but {len(demonstrations)} demonstration sets")
     return [
-        torch.tensor(tokenizer(build_prompt(sample.question, instruction))["input_ids"], dtype=torch.long)
-        for sample in samples
+        torch.tensor(tokenizer(build_in_context_prompt(
+            [(d.question, d.answer) for d in demos], sample.question, instruction, end_of_turn=tokenizer.eos_token,
+        ))["input_ids"], dtype=torch.long)
+        for sample, demos in zip(samples, demonstrations, strict=True)
     ]
 
 
@@ -38,25 +48,30 @@ def answer_questions(
     *,
     instruction: str | None,
     visual_tokens: VisualTokenTransform | None = None,
+    demonstrations: Sequence[Sequence[VQASample]] | None = None,
     batch_size: int = 256,
     max_new_tokens: int = 8,
     progress: bool = True,
 ) -> list[str]:
-    """Greedy answers to `samples`; `visual_tokens` may drop, reorder or swap visual tokens first."""
+    """Greedy answers to `samples`; `visual_tokens` may drop, reorder or swap a sample's visual
+    tokens first; `demonstrations` (per sample) go before it in context, each with all its tokens."""
     was_training = model.training
     model.eval()
     answers: list[str] = []
     for start in tqdm(range(0, len(samples), batch_size), desc="answering", unit="batch", disable=not progress):
         batch = samples[start : start + batch_size]
+        batch_demonstrations = None if demonstrations is None else demonstrations[start : start + batch_size]
         visual = []
-        for sample in batch:
+        for index, sample in enumerate(batch):
             tokens = features[sample.image_id]
             if visual_tokens is not None:
                 tokens = visual_tokens(sample, tokens)
-            visual.append(project_visual_features(model, tokens))
+            shown = [] if batch_demonstrations is None else batch_demonstrations[index]
+            visual.append([*(project_visual_features(model, features[d.image_id]) for d in shown),
+                           project_visual_features(model, tokens)])
         generated = greedy_generate(
             model,
-            encode_prompts(tokenizer, batch, instruction),
+            encode_prompts(tokenizer, batch, instruction, batch_demonstrations),
             visual,
             max_new_tokens=max_new_tokens,
             eos_token_id=tokenizer.eos_token_id,
