@@ -1,0 +1,305 @@
+"""DP-MTV (seed 003): a task vector made differentially private once, then used for any number of queries.
+
+A private set of (image, question, answer) examples is split into m disjoint chunks of K
+demonstrations and one target (vlm.task_vectors reads each chunk's heads at its last token).
+Each chunk's activation is clipped per layer to norm C, the clipped activations are averaged,
+and Gaussian noise is added once: that release is the whole cost of the vector, ε_tv. Which
+heads the vector replaces is chosen on public data at no cost (MTV's REINFORCE), or privately,
+by the exponential mechanism over candidate masks, at a cost ε_sel. Queries are
+post-processing of the released vector and mask and spend nothing: the ledger records
+releases, and a query never writes to it.
+
+How it is accounted, where the paper leaves a choice:
+- Neighbouring private sets differ in one example, which lies in one chunk (the chunks are a
+  seeded partition, and as in the paper a neighbouring set is taken to change one chunk). One
+  chunk moves the sum of the clipped activations by at most √|S|·C (each of |S| layers clipped
+  to C); the sum is divided by the public count m, so Δ₂ = √|S|·C / m, the paper's.
+- The noise's std is Δ₂ · σ(ε_tv, δ), σ from the analytic Gaussian mechanism (Balle & Wang,
+  2018; dp-accounting's get_sigma_gaussian), the tightest calibration of a single Gaussian release.
+- Private selection scores each candidate mask by how many chunks' targets it helps (the
+  replaced model gives the target's answer a higher likelihood than the zero-shot model): each
+  chunk adds 0 or 1, so one example moves every score by at most 1, and an argmax under Gumbel
+  noise of scale 2/ε_sel is the exponential mechanism, ε_sel-DP. The candidates are the heads of
+  each layer, all heads, and the heads whose released values are largest (several sizes):
+  derived from the released vector, so post-processing, free.
+- The total is ε_tv + ε_sel at δ (basic composition).
+- ε_tv = inf is non-private MTV: the plain mean, no clipping and no noise.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dp_accounting
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from privacy.base import OptionError
+from vlm.features import VisionFeatureCache
+from vlm.task_vectors import (
+    HeadLayout,
+    ReinforceSettings,
+    chunk_activations,
+    first_answer_token_log_likelihood,
+    head_layout,
+    reinforce_head_mask,
+    replaced_heads,
+)
+from vqa import VQASample
+
+PUBLIC, PRIVATE = "public", "private"
+SELECTIONS = {
+    PUBLIC: "REINFORCE on public queries (no privacy cost)",
+    PRIVATE: "the exponential mechanism over candidate masks, scored on the private chunks (costs selection_epsilon)",
+}
+
+
+@dataclass
+class DPMTVOptions:
+    # m: disjoint chunks the private set is split into (each example in at most one).
+    chunks: int = 32
+    # K: demonstrations per chunk, before its target.
+    shots: int = 4
+    # C: the L2 bound of one chunk's activation at each layer.
+    clip: float = 1.0
+    # ε_tv of the one Gaussian release; inf: non-private MTV (the plain mean, no clipping, no noise).
+    epsilon: float = 1.0
+    # δ of the release; below 1 / (the private set's size).
+    delta: float = 1e-5
+    # public | private (SELECTIONS).
+    selection: str = PUBLIC
+    # ε_sel of private selection (selection = private).
+    selection_epsilon: float = 0.2
+    # The decoder layers whose heads the vector covers, |S| (empty: every layer).
+    layers: tuple[int, ...] = ()
+
+    def validate(self, private_examples: int | None = None) -> None:
+        """The options alone, and with `private_examples`, what that set can deliver."""
+        if self.chunks < 1:
+            raise OptionError("chunks", self.chunks, ">= 1")
+        if self.shots < 0:
+            raise OptionError("shots", self.shots, ">= 0")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise OptionError("clip", self.clip, "a finite number > 0")
+        if not (self.epsilon > 0 and not math.isnan(self.epsilon)):
+            raise OptionError("epsilon", self.epsilon, "> 0 (inf: non-private MTV)")
+        if not 0 < self.delta < 1:
+            raise OptionError("delta", self.delta, "a probability in (0, 1)")
+        if self.selection not in SELECTIONS:
+            raise OptionError("selection", self.selection, ", ".join(f"{k} ({v})" for k, v in SELECTIONS.items()))
+        if self.selection == PRIVATE and not (math.isfinite(self.selection_epsilon) and self.selection_epsilon > 0):
+            raise OptionError("selection_epsilon", self.selection_epsilon, "a finite number > 0 under selection=private")
+        if any(layer < 0 for layer in self.layers) or sorted(set(self.layers)) != list(self.layers):
+            raise OptionError("layers", list(self.layers), "distinct, increasing decoder layer indices (empty: all)")
+        if private_examples is None:
+            return
+        needed = self.chunks * (self.shots + 1)
+        if needed > private_examples:
+            raise OptionError("chunks", self.chunks, f"at most {private_examples // (self.shots + 1)}: {self.chunks} "
+                              f"chunks of {self.shots} demonstrations and a target need {needed} examples, the private "
+                              f"set has {private_examples}")
+        if self.private and self.delta >= 1 / private_examples:
+            raise OptionError("delta", self.delta, f"< 1/{private_examples} (the private set's size): a delta that "
+                              "large lets a mechanism publish one example outright")
+
+    @property
+    def private(self) -> bool:
+        return math.isfinite(self.epsilon)
+
+
+def disjoint_chunks(examples: int, options: DPMTVOptions, seed: int) -> list[list[int]]:
+    """m chunks of K + 1 example indices (demonstrations, then the target) from a seeded
+    permutation of `examples`: no index in two chunks."""
+    options.validate(examples)
+    order = torch.randperm(examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    size = options.shots + 1
+    return [order[chunk * size : (chunk + 1) * size] for chunk in range(options.chunks)]
+
+
+def clip_per_layer(activations: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
+    """[chunks, layers, heads, head_dim] with each (chunk, layer) scaled to L2 norm <= clip, and
+    the share of them that needed it."""
+    norms = activations.flatten(2).norm(dim=-1)
+    scale = (clip / norms).clamp(max=1.0)
+    return activations * scale[..., None, None], float((norms > clip).float().mean())
+
+
+def noise_std(options: DPMTVOptions, layers: int) -> float:
+    """The Gaussian noise's std on the mean: Δ₂ = √|S|·C/m times the analytic mechanism's σ(ε, δ)."""
+    if not options.private:
+        return 0.0
+    sensitivity = math.sqrt(layers) * options.clip / options.chunks
+    return sensitivity * float(dp_accounting.get_sigma_gaussian(options.epsilon, options.delta))
+
+
+@dataclass
+class PrivacyLedger:
+    """The releases a task vector cost; queries with it are post-processing and never add one."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def charge(self, mechanism: str, epsilon: float, delta: float, **details: Any) -> None:
+        self.entries.append({"mechanism": mechanism, "epsilon": epsilon, "delta": delta, **details})
+
+    @property
+    def epsilon(self) -> float:
+        """The total ε by basic composition (inf when any release is non-private)."""
+        return sum(entry["epsilon"] for entry in self.entries)
+
+    @property
+    def delta(self) -> float:
+        return sum(entry["delta"] for entry in self.entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epsilon": self.epsilon, "delta": self.delta, "entries": list(self.entries)}
+
+
+def release_task_vector(
+    activations: torch.Tensor, options: DPMTVOptions, generator: torch.Generator, ledger: PrivacyLedger
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The task vector [layers, heads, head_dim] from the chunks' activations [m, layers, heads,
+    head_dim]: clipped, averaged and noised once (charged to `ledger`), or the plain mean at ε = inf."""
+    if activations.shape[0] != options.chunks:
+        raise ValueError(f"got {activations.shape[0]} chunk activations for chunks={options.chunks}")
+    activations = activations.float()
+    if not options.private:
+        ledger.charge("task vector (non-private mean)", math.inf, 0.0)
+        return activations.mean(0), {"clipped_share": 0.0, "noise_std": 0.0}
+    clipped, clipped_share = clip_per_layer(activations, options.clip)
+    std = noise_std(options, activations.shape[1])
+    noise = torch.randn(activations.shape[1:], generator=generator) * std
+    ledger.charge("task vector (Gaussian)", options.epsilon, options.delta, noise_std=std,
+                  sensitivity=math.sqrt(activations.shape[1]) * options.clip / options.chunks)
+    return clipped.mean(0) + noise, {"clipped_share": clipped_share, "noise_std": std}
+
+
+def candidate_masks(vector: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Head masks [layers, heads] to choose from: each layer's heads, every head, and the `sizes`
+    heads (default: 1/8, 1/4 and 1/2 of them) whose released values have the largest norm."""
+    layers, heads = vector.shape[:2]
+    total = layers * heads
+    masks = []
+    for layer in range(layers):
+        mask = torch.zeros(layers, heads, dtype=torch.bool)
+        mask[layer] = True
+        masks.append(mask)
+    masks.append(torch.ones(layers, heads, dtype=torch.bool))
+    norms = vector.flatten(2).norm(dim=-1).flatten()
+    for size in sizes or sorted({max(1, total // 8), max(1, total // 4), max(1, total // 2)}):
+        mask = torch.zeros(total, dtype=torch.bool)
+        mask[norms.topk(size).indices] = True
+        masks.append(mask.view(layers, heads))
+    unique: dict[bytes, torch.Tensor] = {}
+    for mask in masks:
+        unique.setdefault(mask.numpy().tobytes(), mask)
+    return list(unique.values())
+
+
+def exponential_mechanism(
+    scores: Sequence[float], epsilon: float, sensitivity: float, generator: torch.Generator
+) -> int:
+    """argmax of scores + Gumbel noise of scale 2·sensitivity/epsilon: the exponential mechanism
+    (ε-DP for scores that one example moves by at most `sensitivity`)."""
+    scale = 2 * sensitivity / epsilon
+    uniform = torch.rand(len(scores), generator=generator, dtype=torch.float64).clamp(min=1e-300)
+    gumbel = -torch.log(-torch.log(uniform))
+    return int(torch.argmax(torch.tensor(scores, dtype=torch.float64) + scale * gumbel))
+
+
+def options_dict(options: DPMTVOptions) -> dict[str, Any]:
+    values = asdict(options)
+    values["layers"] = list(options.layers)
+    return values
+
+
+@dataclass
+class TaskVector:
+    """A released task vector, the heads it replaces, and what it cost."""
+
+    layout: HeadLayout
+    values: torch.Tensor
+    mask: torch.Tensor
+    ledger: PrivacyLedger
+    report: dict[str, Any]
+
+    def replacing(self, model: nn.Module):
+        """The context in which `model` answers with this task vector (post-processing: free)."""
+        return replaced_heads(model, self.layout, self.values, self.mask)
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"layers": list(self.layout.layers), "heads": self.layout.heads, "head_dim": self.layout.head_dim,
+                    "values": self.values, "mask": self.mask, "ledger": self.ledger.to_dict(), "report": self.report},
+                   Path(path))
+
+
+def private_selection_scores(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    features: VisionFeatureCache,
+    targets: Sequence[VQASample],
+    layout: HeadLayout,
+    values: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    *,
+    instruction: str | None,
+) -> list[int]:
+    """Per candidate mask, the chunks whose target's answer it makes more likely than the
+    zero-shot model does (each chunk adds 0 or 1: sensitivity 1 per example)."""
+    with torch.no_grad():
+        zero_shot = first_answer_token_log_likelihood(model, tokenizer, features, targets, instruction=instruction)
+        scores = []
+        for mask in masks:
+            with replaced_heads(model, layout, values, mask):
+                replaced = first_answer_token_log_likelihood(model, tokenizer, features, targets, instruction=instruction)
+            scores.append(int((replaced > zero_shot).sum()))
+    return scores
+
+
+def build_task_vector(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    features: VisionFeatureCache,
+    private: Sequence[VQASample],
+    public: Sequence[VQASample],
+    options: DPMTVOptions,
+    *,
+    reinforce: ReinforceSettings,
+    instruction: str | None,
+    seed: int,
+    progress: bool = True,
+) -> TaskVector:
+    """DP-MTV on `private` (chunks, per-layer clipping, one Gaussian release), heads chosen on
+    `public` by REINFORCE or privately among candidate masks; ε = inf gives non-private MTV."""
+    options.validate(len(private))
+    layout = head_layout(model, options.layers or None)
+    chunks = [[private[index] for index in chunk] for chunk in disjoint_chunks(len(private), options, seed)]
+    activations = chunk_activations(model, tokenizer, features, chunks, layout, instruction=instruction,
+                                    progress=progress)
+    ledger = PrivacyLedger()
+    generator = torch.Generator().manual_seed(seed)
+    values, release = release_task_vector(activations, options, generator, ledger)
+    report: dict[str, Any] = {"options": options_dict(options), "layers": list(layout.layers),
+                              "heads_per_layer": layout.heads, "head_dim": layout.head_dim,
+                              "activation_norm_median": float(activations.float().flatten(2).norm(dim=-1).median()),
+                              **release}
+    if options.selection == PUBLIC:
+        if not public:
+            raise OptionError("selection", options.selection, "private when no public queries are given")
+        mask, rewards = reinforce_head_mask(model, tokenizer, features, public, layout, values, reinforce,
+                                            instruction=instruction, generator=generator, progress=progress)
+        report["selection"] = {"method": PUBLIC, "reinforce": asdict(reinforce), "rewards": rewards}
+    else:
+        masks = candidate_masks(values)
+        scores = private_selection_scores(model, tokenizer, features, [chunk[-1] for chunk in chunks], layout, values,
+                                          masks, instruction=instruction)
+        chosen = exponential_mechanism(scores, options.selection_epsilon, 1.0, generator)
+        mask = masks[chosen]
+        ledger.charge("head selection (exponential mechanism)", options.selection_epsilon, 0.0,
+                      candidates=len(masks))
+        report["selection"] = {"method": PRIVATE, "candidates": len(masks), "chosen": chosen}
+    report["selected_heads"] = int(mask.sum())
+    report["ledger"] = ledger.to_dict()
+    return TaskVector(layout, values, mask, ledger, report)
