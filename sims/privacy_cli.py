@@ -1,6 +1,7 @@
 """`qpriv-privacy`: privacy analyses of a model. `paf`: each sub-layer's PAF in front of a cut (privacy.paf);
 `positions`: how much patch position each visual token's row carries (attacks.position_probes);
-`positionless`: prepare seed 002's positionless edge (privacy.positionless).
+`positionless`: prepare seed 002's positionless edge (privacy.positionless); `mtv`: seed 003's
+task vectors on one client's private set, central DP-MTV (sims/mtv.py, which documents it).
 
     qpriv-privacy paf --profile mini [--stage base] [--cut 4] [--samples 16] [--directions 100]
                       [--tokens 8] [--tokens-from all|text|visual] [--theta pullback|output]
@@ -52,16 +53,14 @@ from typing import Any
 import torch
 
 from privacy.paf import ATTENTION, REDUCES, SIGMAS, SUBLAYERS, THETAS, PAFOptions, SubLayerPAF, front_paf
+from sims import mtv as mtv_command
+from sims.usage import UsageError
 from vlm.profiles import get_profile, profile_names
 
 STAGES = ("base", "vqa", "random")
 # What `positionless` writes besides its report: the artefact a run config selects.
 TOWER_FILE_NAMES = "tower.pt, manifest.json"
 TOKEN_SETS = ("all", "text", "visual")
-
-
-class UsageError(ValueError):
-    """A bad command-line value, said in the words of the option."""
 
 
 @dataclass
@@ -465,9 +464,11 @@ def main(argv: list[str] | None = None) -> int:
                                                "edges prepared with one folder share the blocks they have in common")
     positionless.add_argument("--threads", type=int, default=1, help="torch threads")
     positionless.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mtv = mtv_command.add_command(commands)
     args = parser.parse_args(argv)
     command, run, name = {"paf": (paf, run_paf, "paf"), "positions": (positions, run_positions, "positions"),
-                          "positionless": (positionless, run_positionless, "positionless")}[args.command]
+                          "positionless": (positionless, run_positionless, "positionless"),
+                          "mtv": (mtv, mtv_command.run_mtv, mtv_command.NAME)}[args.command]
     try:
         out = run(args)
     except UsageError as error:

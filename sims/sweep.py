@@ -75,7 +75,8 @@ from pruning.prepare import PrepareSettings, prepare_dtp
 from sims import archive as A
 from sims.inprocess import run_in_process
 from sims.launch import app_config, launch
-from sims.privacy_cli import PositionlessPrepare, UsageError, prepare_positionless
+from sims.privacy_cli import PositionlessPrepare, prepare_positionless
+from sims.usage import UsageError
 from sims.provenance import provenance
 from strategies.callbacks import changed_since_written, is_stale, write_json_atomically, written_differences
 

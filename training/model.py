@@ -47,8 +47,13 @@ class PartyModel:
 
     @property
     def instruction(self) -> str | None:
-        # The offline profiles are trained without LLaVA's short-answer line (vlm.mini.recipe).
-        return SHORT_ANSWER_INSTRUCTION if self.bundle.profile.hf_id else ""
+        return prompt_instruction(self.bundle.profile)
+
+
+def prompt_instruction(profile: Profile) -> str | None:
+    """The line a prompt ends its question with: LLaVA-1.5's short-answer instruction for the
+    paper's model; none for the offline profiles, trained without it (vlm.mini.recipe)."""
+    return SHORT_ANSWER_INSTRUCTION if profile.hf_id else ""
 
 
 def resolve_device(name: str) -> torch.device:

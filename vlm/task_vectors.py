@@ -197,7 +197,9 @@ def first_answer_token_log_likelihood(
         model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, llava_parts(model).num_layers,
         apply_head=True,
     )[:, -1].float()
-    first_tokens = torch.tensor([tokenizer(" " + sample.answer.strip())["input_ids"][0] for sample in samples])
+    first_tokens = torch.tensor(
+        [tokenizer(" " + sample.answer.strip(), add_special_tokens=False)["input_ids"][0] for sample in samples]
+    )
     return logits.log_softmax(-1).gather(1, first_tokens[:, None].to(logits.device)).squeeze(1)
 
 
