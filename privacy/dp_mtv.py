@@ -164,7 +164,7 @@ def release_task_vector(
     head_dim]: clipped, averaged and noised once (charged to `ledger`), or the plain mean at ε = inf."""
     if activations.shape[0] != options.chunks:
         raise ValueError(f"got {activations.shape[0]} chunk activations for chunks={options.chunks}")
-    activations = activations.float()
+    activations = activations.float().cpu()  # the noise is drawn on the CPU, by a CPU generator
     if not options.private:
         ledger.charge("task vector (non-private mean)", math.inf, 0.0)
         return activations.mean(0), {"clipped_share": 0.0, "noise_std": 0.0}

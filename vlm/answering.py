@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from vlm.features import VisionFeatureCache
-from vlm.segments import greedy_generate, project_visual_features
+from vlm.segments import greedy_generate, llava_parts, project_visual_features
 from vqa import VQASample, build_in_context_prompt
 
 # Per-sample visual tokens before projection, [N, Dv] -> [k, Dv]: pruning, ablations.
@@ -57,6 +57,7 @@ def answer_questions(
     tokens first; `demonstrations` (per sample) go before it in context, each with all its tokens."""
     was_training = model.training
     model.eval()
+    device = llava_parts(model).lm_head.weight.device
     answers: list[str] = []
     for start in tqdm(range(0, len(samples), batch_size), desc="answering", unit="batch", disable=not progress):
         batch = samples[start : start + batch_size]
@@ -67,8 +68,8 @@ def answer_questions(
             if visual_tokens is not None:
                 tokens = visual_tokens(sample, tokens)
             shown = [] if batch_demonstrations is None else batch_demonstrations[index]
-            visual.append([*(project_visual_features(model, features[d.image_id]) for d in shown),
-                           project_visual_features(model, tokens)])
+            visual.append([*(project_visual_features(model, features[d.image_id].to(device)) for d in shown),
+                           project_visual_features(model, tokens.to(device))])
         generated = greedy_generate(
             model,
             encode_prompts(tokenizer, batch, instruction, batch_demonstrations),

@@ -120,7 +120,7 @@ def replaced_heads(model: nn.Module, layout: HeadLayout, values: torch.Tensor, m
         def write(_: nn.Module, args: tuple) -> tuple:
             hidden = args[0]
             last = hidden[:, -1].reshape(hidden.shape[0], layout.heads, layout.head_dim)
-            last = torch.where(selected[None, :, None], value.to(last.dtype)[None], last)
+            last = torch.where(selected.to(last.device)[None, :, None], value.to(last.device, last.dtype)[None], last)
             hidden = torch.cat([hidden[:, :-1], last.reshape(hidden.shape[0], 1, -1)], dim=1)
             return (hidden, *args[1:])
 
@@ -148,7 +148,8 @@ def _prompt_inputs(
 ):
     """Left-padded decoder inputs of each target after its demonstrations (vlm.answering's prompts)."""
     prompts = encode_prompts(tokenizer, targets, instruction, demonstrations)
-    visual = [[project_visual_features(model, features[s.image_id]) for s in [*demos, target]]
+    device = llava_parts(model).lm_head.weight.device
+    visual = [[project_visual_features(model, features[s.image_id].to(device)) for s in [*demos, target]]
               for target, demos in zip(targets, demonstrations, strict=True)]
     return merge_multimodal_inputs(model, prompts, visual)
 

@@ -46,3 +46,10 @@ def test_bad_settings_are_refused_naming_the_flag(tmp_path, capsys, monkeypatch,
         main([*TINY_ARGS, "--out", str(tmp_path), *extra])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_paper_scale_model_fails_fast_saying_how_to_supply_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert main([*TINY_ARGS, "--profile", "llava-1.5-7b", "--stage", "base", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "llava-hf/llava-1.5-7b-hf" in error and "hf download" in error

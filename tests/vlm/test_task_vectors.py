@@ -145,3 +145,23 @@ def test_reinforce_finds_the_head_whose_replacement_raises_the_answer(world):
     # The random model's small weights bound how far one head can move a logit.
     assert after > before + 0.1
     assert rewards[-1] > rewards[0]
+
+
+def test_the_paper_scale_model_reads_and_writes_its_1024_heads_on_the_meta_device():
+    """LLaVA-1.5-7B's task vector is 32 layers × 32 heads × 128 numbers; the hooks run on its
+    real module tree (meta tensors: shapes only, no weights)."""
+    from vlm.loading import build_model_on_meta
+    from vlm.profiles import LLAVA_15_7B
+
+    model = build_model_on_meta(LLAVA_15_7B)
+    layout = head_layout(model)
+    assert layout.shape == (32, 32, 128) and layout.numel == 131_072
+    two = head_layout(model, [0, 1])
+    layers = llava_parts(model).language_model.layers
+    with torch.no_grad(), replaced_heads(model, two, torch.zeros(two.shape, device="meta"),
+                                         torch.ones(two.shape[:2], dtype=torch.bool)):
+        with LastTokenHeads(model, two) as reader:
+            # The attention's own call of its output projection, on a 5-token sequence.
+            for layer in (0, 1):
+                assert layers[layer].self_attn.o_proj(torch.empty(1, 5, 4096, device="meta")).shape == (1, 5, 4096)
+            assert reader.activations().shape == (1, 2, 32, 128)
