@@ -88,6 +88,26 @@ def tiny_run_config(tmp_path, **overrides) -> dict:
     return config
 
 
+@pytest.fixture(scope="module")
+def tiny_answerer():
+    """A random tiny model that reads easy-VQA: (model, word tokenizer, visual features, 60 training rows)."""
+    from vlm.features import VisionFeatureCache
+    from vlm.loading import build_random_model, clip_image_preprocessor
+    from vlm.mini.tokenizer import build_sample_tokenizer
+    from vlm.profiles import TINY
+    from vqa import load_vqa
+
+    samples = list(load_vqa("easyvqa", "train", limit=60))
+    tokenizer = build_sample_tokenizer(samples)
+    model = build_random_model(
+        TINY, seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
+    ).eval()
+    features = VisionFeatureCache(model, clip_image_preprocessor(TINY.image_size))
+    features.add(samples, progress=False)
+    return model, tokenizer, features, samples
+
+
 @pytest.fixture
 def run_config(tmp_path):
     return lambda **overrides: tiny_run_config(tmp_path, **overrides)

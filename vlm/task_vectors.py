@@ -138,7 +138,7 @@ def replaced_heads(model: nn.Module, layout: HeadLayout, values: torch.Tensor, m
             hook.remove()
 
 
-def _prompt_inputs(
+def in_context_inputs(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     features: VisionFeatureCache,
@@ -176,7 +176,7 @@ def chunk_activations(
         for start in tqdm(range(0, len(chunks), batch_size), desc="task-vector chunks", unit="batch",
                           disable=not progress):
             batch = chunks[start : start + batch_size]
-            inputs = _prompt_inputs(model, tokenizer, features, [c[-1] for c in batch], [c[:-1] for c in batch],
+            inputs = in_context_inputs(model, tokenizer, features, [c[-1] for c in batch], [c[:-1] for c in batch],
                                     instruction)
             run_decoder_layers(model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, num_layers)
             outputs.append(reader.activations())
@@ -193,7 +193,7 @@ def first_answer_token_log_likelihood(
     instruction: str | None,
 ) -> torch.Tensor:
     """[B]: log p(first token of each sample's answer | zero-shot prompt), from the last column."""
-    inputs = _prompt_inputs(model, tokenizer, features, samples, [()] * len(samples), instruction)
+    inputs = in_context_inputs(model, tokenizer, features, samples, [()] * len(samples), instruction)
     logits = run_decoder_layers(
         model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, llava_parts(model).num_layers,
         apply_head=True,

@@ -21,12 +21,8 @@ from privacy.dp_mtv import (
     release_task_vector,
 )
 from vlm.answering import answer_questions
-from vlm.features import VisionFeatureCache
-from vlm.loading import build_random_model, clip_image_preprocessor
-from vlm.mini.tokenizer import build_sample_tokenizer
 from vlm.profiles import TINY
 from vlm.task_vectors import ReinforceSettings
-from vqa import load_vqa
 
 
 def test_chunks_are_disjoint_seeded_and_as_many_as_asked():
@@ -107,22 +103,9 @@ def test_candidates_are_each_layer_all_heads_and_the_largest_released_heads():
     assert len({mask.numpy().tobytes() for mask in masks}) == len(masks)
 
 
-@pytest.fixture(scope="module")
-def world():
-    samples = list(load_vqa("easyvqa", "train", limit=60))
-    tokenizer = build_sample_tokenizer(samples)
-    model = build_random_model(
-        TINY, seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
-    ).eval()
-    features = VisionFeatureCache(model, clip_image_preprocessor(TINY.image_size))
-    features.add(samples, progress=False)
-    return model, tokenizer, features, samples
-
-
 @pytest.mark.parametrize("selection", ["public", PRIVATE])
-def test_a_task_vector_costs_its_release_and_selection_and_queries_cost_nothing(world, selection):
-    model, tokenizer, features, samples = world
+def test_a_task_vector_costs_its_release_and_selection_and_queries_cost_nothing(tiny_answerer, selection):
+    model, tokenizer, features, samples = tiny_answerer
     options = DPMTVOptions(chunks=8, shots=2, clip=1.0, epsilon=2.0, delta=1e-3, selection=selection,
                            selection_epsilon=0.5)
     vector = build_task_vector(model, tokenizer, features, samples[:40], samples[40:], options,

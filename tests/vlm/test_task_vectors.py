@@ -6,9 +6,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from vlm.features import VisionFeatureCache
-from vlm.loading import build_random_model, clip_image_preprocessor
-from vlm.mini.tokenizer import build_sample_tokenizer
 from vlm.profiles import TINY
 from vlm.segments import llava_parts, merge_multimodal_inputs, run_decoder_layers
 from vlm.task_vectors import (
@@ -17,34 +14,19 @@ from vlm.task_vectors import (
     chunk_activations,
     first_answer_token_log_likelihood,
     head_layout,
+    in_context_inputs,
     reinforce_head_mask,
     replaced_heads,
 )
-from vqa import load_vqa
-
-
-@pytest.fixture(scope="module")
-def world():
-    samples = list(load_vqa("easyvqa", "train", limit=40))
-    tokenizer = build_sample_tokenizer(samples)
-    model = build_random_model(
-        TINY, seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
-    ).eval()
-    features = VisionFeatureCache(model, clip_image_preprocessor(TINY.image_size))
-    features.add(samples, progress=False)
-    return model, tokenizer, features, samples
 
 
 def _chunks(samples, shots, count):
     return [samples[i * (shots + 1) : (i + 1) * (shots + 1)] for i in range(count)]
 
 
-def _inputs(world, chunk):
-    model, tokenizer, features, _ = world
-    from vlm.task_vectors import _prompt_inputs
-
-    return _prompt_inputs(model, tokenizer, features, [chunk[-1]], [chunk[:-1]], None)
+def _inputs(tiny_answerer, chunk):
+    model, tokenizer, features, _ = tiny_answerer
+    return in_context_inputs(model, tokenizer, features, [chunk[-1]], [chunk[:-1]], None)
 
 
 def _heads_by_hand(model, inputs, layer):
@@ -67,10 +49,10 @@ def _heads_by_hand(model, inputs, layer):
     return (weights @ v)[0, :, 0]  # [heads, head_dim]
 
 
-def test_the_reader_holds_each_heads_output_at_the_last_token(world):
-    model = world[0]
+def test_the_reader_holds_each_heads_output_at_the_last_token(tiny_answerer):
+    model = tiny_answerer[0]
     layout = head_layout(model)
-    inputs = _inputs(world, world[3][:3])
+    inputs = _inputs(tiny_answerer, tiny_answerer[3][:3])
     with torch.no_grad(), LastTokenHeads(model, layout) as reader:
         run_decoder_layers(model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, TINY.num_layers)
         read = reader.activations()
@@ -79,10 +61,10 @@ def test_the_reader_holds_each_heads_output_at_the_last_token(world):
             torch.testing.assert_close(read[0, slot], _heads_by_hand(model, inputs, layer), atol=1e-5, rtol=1e-4)
 
 
-def test_replacement_changes_only_the_selected_heads_at_the_last_token(world):
-    model = world[0]
+def test_replacement_changes_only_the_selected_heads_at_the_last_token(tiny_answerer):
+    model = tiny_answerer[0]
     layout = head_layout(model, [2, 3])
-    inputs = _inputs(world, world[3][:3])
+    inputs = _inputs(tiny_answerer, tiny_answerer[3][:3])
     values = torch.randn(layout.shape, generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(layout.shape[:2], dtype=torch.bool)
     mask[0, 1] = True  # layer 2, head 1
@@ -106,8 +88,8 @@ def test_replacement_changes_only_the_selected_heads_at_the_last_token(world):
             pass
 
 
-def test_chunks_in_a_batch_read_as_each_chunk_alone(world):
-    model, tokenizer, features, samples = world
+def test_chunks_in_a_batch_read_as_each_chunk_alone(tiny_answerer):
+    model, tokenizer, features, samples = tiny_answerer
     layout = head_layout(model, [1, 3])
     chunks = [samples[0:3], samples[3:5], samples[5:9]]  # 2, 1 and 3 demonstrations: uneven lengths
     batched = chunk_activations(model, tokenizer, features, chunks, layout, instruction=None, batch_size=3,
@@ -118,13 +100,13 @@ def test_chunks_in_a_batch_read_as_each_chunk_alone(world):
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
 
 
-def test_a_layout_outside_the_decoder_is_refused(world):
+def test_a_layout_outside_the_decoder_is_refused(tiny_answerer):
     with pytest.raises(ValueError, match=r"layers=\[3, 1\]: need distinct, increasing decoder layers in \[0, 4\)"):
-        head_layout(world[0], [3, 1])
+        head_layout(tiny_answerer[0], [3, 1])
 
 
-def test_reinforce_finds_the_head_whose_replacement_raises_the_answer(world):
-    model, tokenizer, features, samples = world
+def test_reinforce_finds_the_head_whose_replacement_raises_the_answer(tiny_answerer):
+    model, tokenizer, features, samples = tiny_answerer
     layout = head_layout(model)
     queries = [s for s in samples if s.answer == "yes"][:8]
     answer = tokenizer(" yes")["input_ids"][0]
