@@ -225,9 +225,10 @@ class TaskVector:
     ledger: PrivacyLedger
     report: dict[str, Any]
 
-    def replacing(self, model: nn.Module):
-        """The context in which `model` answers with this task vector (post-processing: free)."""
-        return replaced_heads(model, self.layout, self.values, self.mask)
+    def intervention(self, model: nn.Module):
+        """For vlm.answering.answer_questions: a fresh head replacement per batch, in which `model`
+        answers with this task vector (post-processing: free)."""
+        return lambda: replaced_heads(model, self.layout, self.values, self.mask)
 
     def save(self, path: str | Path) -> None:
         torch.save({"layers": list(self.layout.layers), "heads": self.layout.heads, "head_dim": self.layout.head_dim,

@@ -128,15 +128,13 @@ def load_client(settings: MTVSettings, progress: bool) -> Client:
 
 
 def accuracy(client: Client, *, demonstrations=None, vector=None) -> dict[str, Any]:
-    from contextlib import nullcontext
-
     from vlm.answering import answer_questions
     from vqa import aggregate_accuracy
 
-    with vector.replacing(client.model) if vector is not None else nullcontext():
-        answers = answer_questions(client.model, client.tokenizer, client.features, client.test,
-                                   instruction=client.instruction, demonstrations=demonstrations, batch_size=64,
-                                   max_new_tokens=3, progress=False)
+    answers = answer_questions(client.model, client.tokenizer, client.features, client.test,
+                               instruction=client.instruction, demonstrations=demonstrations,
+                               intervention=vector.intervention(client.model) if vector is not None else None,
+                               batch_size=64, max_new_tokens=3, progress=False)
     report = aggregate_accuracy(answers, client.test)
     return {"accuracy": report.overall.accuracy,
             "by_question_kind": {kind: group.accuracy for kind, group in report.by_question_kind.items()}}

@@ -6,6 +6,7 @@ come from the same code.
 """
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -49,12 +50,14 @@ def answer_questions(
     instruction: str | None,
     visual_tokens: VisualTokenTransform | None = None,
     demonstrations: Sequence[Sequence[VQASample]] | None = None,
+    intervention: Callable[[], AbstractContextManager] | None = None,
     batch_size: int = 256,
     max_new_tokens: int = 8,
     progress: bool = True,
 ) -> list[str]:
     """Greedy answers to `samples`; `visual_tokens` may drop, reorder or swap a sample's visual
-    tokens first; `demonstrations` (per sample) go before it in context, each with all its tokens."""
+    tokens first; `demonstrations` (per sample) go before it in context, each with all its tokens;
+    `intervention()` is entered around each batch's generation (a task vector's head replacement)."""
     was_training = model.training
     model.eval()
     device = llava_parts(model).lm_head.weight.device
@@ -70,13 +73,14 @@ def answer_questions(
             shown = [] if batch_demonstrations is None else batch_demonstrations[index]
             visual.append([*(project_visual_features(model, features[d.image_id].to(device)) for d in shown),
                            project_visual_features(model, tokens.to(device))])
-        generated = greedy_generate(
-            model,
-            encode_prompts(tokenizer, batch, instruction, batch_demonstrations),
-            visual,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        with intervention() if intervention is not None else nullcontext():
+            generated = greedy_generate(
+                model,
+                encode_prompts(tokenizer, batch, instruction, batch_demonstrations),
+                visual,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         answers.extend(tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in generated)
     model.train(was_training)
     return answers

@@ -9,10 +9,8 @@ query then runs with no demonstrations, and the selected heads' outputs at its l
 replaced by the task vector's.
 
 Where the method leaves a choice open, this module makes it (and says so in the report):
-- Replacement happens at the last token of every forward. `greedy_generate` reruns the whole
-  sequence per answer token, so every answer token is replaced while it is the last one; with
-  a KV cache, MTV's generation also keeps those replaced values for later tokens, which here
-  are recomputed. For one-token answers (every easy-VQA answer) the two are identical.
+- Replacement happens at the query's last prompt token, whose output is the first answer
+  token, and only there (replaced_heads).
 - REINFORCE's reward is the log-likelihood of the answer's first token at the query's last
   position (MTV: the model's loss on the answer), averaged over a batch of public queries,
   against the batch's mean reward as baseline.
@@ -105,32 +103,49 @@ class LastTokenHeads:
 
 @contextmanager
 def replaced_heads(model: nn.Module, layout: HeadLayout, values: torch.Tensor, mask: torch.Tensor) -> Iterator[None]:
-    """While inside, every forward's last column carries `values` [layers, heads, head_dim] in
-    the heads `mask` [layers, heads] selects; every other head and position is untouched."""
+    """While inside, each sample's query token carries `values` [layers, heads, head_dim] in the
+    heads `mask` [layers, heads] selects; every other head and token is untouched.
+
+    The query token is each sample's last token in the first forward inside the context (the
+    prompt's last, whose output is the first answer token), and it stays replaced in every later
+    forward, found by its position id: greedy generation reruns the sequence with the answer so
+    far appended, and MTV's cached generation keeps the prompt's replaced keys and values. Enter
+    one context per batch of prompts (vlm.answering's `intervention`).
+    """
     if tuple(values.shape) != layout.shape or tuple(mask.shape) != layout.shape[:2]:
         raise ValueError(
             f"task vector of shape {tuple(values.shape)} and mask of shape {tuple(mask.shape)}; the layout needs "
             f"{layout.shape} and {layout.shape[:2]}"
         )
     mask = mask.bool()
+    query: dict[str, torch.Tensor] = {}
+
+    def find_query(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise ValueError("replaced_heads needs the decoder layers called with position_ids (vlm.segments passes them)")
+        if "position" not in query:
+            query["position"] = positions[:, -1].clone()
+        query["rows"] = positions == query["position"].to(positions.device)[:, None]
 
     def writer(slot: int):
         selected, value = mask[slot], values[slot]
 
         def write(_: nn.Module, args: tuple) -> tuple:
             hidden = args[0]
-            last = hidden[:, -1].reshape(hidden.shape[0], layout.heads, layout.head_dim)
-            last = torch.where(selected.to(last.device)[None, :, None], value.to(last.device, last.dtype)[None], last)
-            hidden = torch.cat([hidden[:, :-1], last.reshape(hidden.shape[0], 1, -1)], dim=1)
-            return (hidden, *args[1:])
+            heads = hidden.reshape(*hidden.shape[:2], layout.heads, layout.head_dim)
+            where = query["rows"][:, :, None, None] & selected.to(hidden.device)[None, None, :, None]
+            heads = torch.where(where, value.to(hidden.device, hidden.dtype)[None, None], heads)
+            return (heads.reshape(hidden.shape), *args[1:])
 
         return write
 
-    hooks = [
-        projection.register_forward_pre_hook(writer(slot))
-        for slot, projection in enumerate(_output_projections(model, layout))
-        if mask[slot].any()
-    ]
+    decoder_layers = llava_parts(model).language_model.layers
+    hooks = []
+    for slot, (layer, projection) in enumerate(zip(layout.layers, _output_projections(model, layout), strict=True)):
+        if mask[slot].any():
+            hooks.append(decoder_layers[layer].register_forward_pre_hook(find_query, with_kwargs=True))
+            hooks.append(projection.register_forward_pre_hook(writer(slot)))
     try:
         yield
     finally:

@@ -115,8 +115,7 @@ def test_a_task_vector_costs_its_release_and_selection_and_queries_cost_nothing(
     assert vector.ledger.epsilon == pytest.approx(expected)
     assert vector.values.shape == (TINY.num_layers, 2, TINY.hidden_size // 2)
     before = vector.ledger.to_dict()
-    with vector.replacing(model):
-        for _ in range(3):
-            answer_questions(model, tokenizer, features, samples[40:], instruction=None, max_new_tokens=1,
-                             progress=False)
+    for _ in range(3):
+        answer_questions(model, tokenizer, features, samples[40:], instruction=None, max_new_tokens=2,
+                         intervention=vector.intervention(model), progress=False)
     assert vector.ledger.to_dict() == before

@@ -88,6 +88,27 @@ def test_replacement_changes_only_the_selected_heads_at_the_last_token(tiny_answ
             pass
 
 
+def test_in_generation_the_query_token_stays_replaced_and_the_answer_tokens_are_not(tiny_answerer):
+    model = tiny_answerer[0]
+    layout = head_layout(model, [3])
+    inputs = _inputs(tiny_answerer, tiny_answerer[3][:2])
+    values = torch.full(layout.shape, 7.0)
+    mask = torch.ones(layout.shape[:2], dtype=torch.bool)
+    seen = []
+    o_proj = llava_parts(model).language_model.layers[3].self_attn.o_proj
+    appended = torch.cat([inputs.hidden_states, inputs.hidden_states[:, -1:]], dim=1)  # one answer token more
+    length = inputs.hidden_states.shape[1]
+    with torch.no_grad(), replaced_heads(model, layout, values, mask):
+        hook = o_proj.register_forward_pre_hook(lambda _, args: seen.append(args[0].clone()))
+        run_decoder_layers(model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, 4)
+        run_decoder_layers(model, appended, torch.ones(1, length + 1, dtype=torch.long),
+                           torch.arange(length + 1)[None], 0, 4)
+        hook.remove()
+    assert torch.equal(seen[0][0, -1], torch.full((layout.numel,), 7.0))
+    assert torch.equal(seen[1][0, length - 1], torch.full((layout.numel,), 7.0))  # the query token, still
+    assert not torch.equal(seen[1][0, length], torch.full((layout.numel,), 7.0))  # the answer token
+
+
 def test_chunks_in_a_batch_read_as_each_chunk_alone(tiny_answerer):
     model, tokenizer, features, samples = tiny_answerer
     layout = head_layout(model, [1, 3])
@@ -139,11 +160,15 @@ def test_the_paper_scale_model_reads_and_writes_its_1024_heads_on_the_meta_devic
     layout = head_layout(model)
     assert layout.shape == (32, 32, 128) and layout.numel == 131_072
     two = head_layout(model, [0, 1])
-    layers = llava_parts(model).language_model.layers
+    language_model = llava_parts(model).language_model
+    hidden = torch.empty(1, 5, 4096, device="meta")
+    positions = torch.arange(5, device="meta")[None]
+    rotary = language_model.rotary_emb(hidden, position_ids=positions)
     with torch.no_grad(), replaced_heads(model, two, torch.zeros(two.shape, device="meta"),
                                          torch.ones(two.shape[:2], dtype=torch.bool)):
         with LastTokenHeads(model, two) as reader:
-            # The attention's own call of its output projection, on a 5-token sequence.
-            for layer in (0, 1):
-                assert layers[layer].self_attn.o_proj(torch.empty(1, 5, 4096, device="meta")).shape == (1, 5, 4096)
+            for layer in (0, 1):  # each decoder layer as run_decoder_layers calls it
+                hidden = language_model.layers[layer](hidden, attention_mask=None, position_ids=positions,
+                                                      position_embeddings=rotary, use_cache=False)
+            assert hidden.shape == (1, 5, 4096)
             assert reader.activations().shape == (1, 2, 32, 128)
