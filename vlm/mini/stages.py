@@ -10,7 +10,9 @@
    fine-tuning the CL/FL/SL/USL simulations run, here centrally to show the target.
    Like LLaVA-1.5's, its sequences are multi-turn conversations about one image, so
    the 64 visual tokens are paid once for several questions (the CPU budget is per
-   token); the base's all-token steps are conversations too.
+   token); the base's all-token steps are conversations too. A recipe with
+   `base_interleaved_share` (the mini-interleaved profile) also gives the base multi-image
+   conversations, in-context demonstrations and a target, as interleaved-data VLMs learn.
 
 Why this recipe (LLAVA_NOTES.md): trained end to end from scratch, the model never
 learns shape, hence the vision stage; a base that only sees captions gives a LoRA-only
