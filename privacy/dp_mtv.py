@@ -42,8 +42,8 @@ from vlm.features import VisionFeatureCache
 from vlm.task_vectors import (
     HeadLayout,
     ReinforceSettings,
+    FirstAnswerToken,
     chunk_activations,
-    first_answer_token_log_likelihood,
     head_layout,
     reinforce_head_mask,
     replaced_heads,
@@ -51,6 +51,8 @@ from vlm.task_vectors import (
 from vqa import VQASample
 
 PUBLIC, PRIVATE = "public", "private"
+# The report's entry for statistics of the private activations themselves (not differentially private).
+DIAGNOSTICS = "diagnostics_not_private"
 SELECTIONS = {
     PUBLIC: "REINFORCE on public queries (no privacy cost)",
     PRIVATE: "the exponential mechanism over candidate masks, scored on the private chunks (costs selection_epsilon)",
@@ -209,12 +211,6 @@ def exponential_mechanism(
     return int(torch.argmax(torch.tensor(scores, dtype=torch.float64) + scale * gumbel))
 
 
-def options_dict(options: DPMTVOptions) -> dict[str, Any]:
-    values = asdict(options)
-    values["layers"] = list(options.layers)
-    return values
-
-
 @dataclass
 class TaskVector:
     """A released task vector, the heads it replaces, and what it cost."""
@@ -231,8 +227,10 @@ class TaskVector:
         return lambda: replaced_heads(model, self.layout, self.values, self.mask)
 
     def save(self, path: str | Path) -> None:
+        """The release as it may be shared: the report's non-private diagnostics stay out."""
+        report = {key: value for key, value in self.report.items() if key != DIAGNOSTICS}
         torch.save({"layers": list(self.layout.layers), "heads": self.layout.heads, "head_dim": self.layout.head_dim,
-                    "values": self.values, "mask": self.mask, "ledger": self.ledger.to_dict(), "report": self.report},
+                    "values": self.values, "mask": self.mask, "ledger": self.ledger.to_dict(), "report": report},
                    Path(path))
 
 
@@ -250,11 +248,12 @@ def private_selection_scores(
     """Per candidate mask, the chunks whose target's answer it makes more likely than the
     zero-shot model does (each chunk adds 0 or 1: sensitivity 1 per example)."""
     with torch.no_grad():
-        zero_shot = first_answer_token_log_likelihood(model, tokenizer, features, targets, instruction=instruction)
+        answers = FirstAnswerToken(model, tokenizer, features, targets, instruction=instruction)
+        zero_shot = answers.log_likelihood()
         scores = []
         for mask in masks:
             with replaced_heads(model, layout, values, mask):
-                replaced = first_answer_token_log_likelihood(model, tokenizer, features, targets, instruction=instruction)
+                replaced = answers.log_likelihood()
             scores.append(int((replaced > zero_shot).sum()))
     return scores
 
@@ -282,10 +281,13 @@ def build_task_vector(
     ledger = PrivacyLedger()
     generator = torch.Generator().manual_seed(seed)
     values, release = release_task_vector(activations, options, generator, ledger)
-    report: dict[str, Any] = {"options": options_dict(options), "layers": list(layout.layers),
-                              "heads_per_layer": layout.heads, "head_dim": layout.head_dim,
-                              "activation_norm_median": float(activations.float().flatten(2).norm(dim=-1).median()),
-                              **release}
+    report: dict[str, Any] = {
+        "options": asdict(options), "layers": list(layout.layers), "heads_per_layer": layout.heads,
+        "head_dim": layout.head_dim, "noise_std": release["noise_std"],
+        # Read off the private activations without noise: for the researcher, never saved with the vector.
+        DIAGNOSTICS: {"clipped_share": release["clipped_share"],
+                      "activation_norm_median": float(activations.float().flatten(2).norm(dim=-1).median())},
+    }
     if options.selection == PUBLIC:
         if not public:
             raise OptionError("selection", options.selection, "private when no public queries are given")

@@ -199,24 +199,26 @@ def chunk_activations(
     return torch.cat(outputs)
 
 
-def first_answer_token_log_likelihood(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    features: VisionFeatureCache,
-    samples: Sequence[VQASample],
-    *,
-    instruction: str | None,
-) -> torch.Tensor:
-    """[B]: log p(first token of each sample's answer | zero-shot prompt), from the last column."""
-    inputs = in_context_inputs(model, tokenizer, features, samples, [()] * len(samples), instruction)
-    logits = run_decoder_layers(
-        model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, llava_parts(model).num_layers,
-        apply_head=True,
-    )[:, -1].float()
-    first_tokens = torch.tensor(
-        [tokenizer(" " + sample.answer.strip(), add_special_tokens=False)["input_ids"][0] for sample in samples]
-    )
-    return logits.log_softmax(-1).gather(1, first_tokens[:, None].to(logits.device)).squeeze(1)
+class FirstAnswerToken:
+    """Zero-shot prompts of `samples`, built once, and the log-likelihood of each answer's first
+    token at the prompt's last column, computed again under each head replacement tried."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, features: VisionFeatureCache,
+                 samples: Sequence[VQASample], *, instruction: str | None) -> None:
+        self.model = model
+        self.inputs = in_context_inputs(model, tokenizer, features, samples, [()] * len(samples), instruction)
+        self.tokens = torch.tensor(
+            [tokenizer(" " + sample.answer.strip(), add_special_tokens=False)["input_ids"][0] for sample in samples]
+        )
+
+    def log_likelihood(self) -> torch.Tensor:
+        """[B]: log p(first token of each sample's answer | its zero-shot prompt)."""
+        inputs = self.inputs
+        logits = run_decoder_layers(
+            self.model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0,
+            llava_parts(self.model).num_layers, apply_head=True,
+        )[:, -1].float()
+        return logits.log_softmax(-1).gather(1, self.tokens[:, None].to(logits.device)).squeeze(1)
 
 
 @dataclass(frozen=True)
@@ -263,15 +265,15 @@ def reinforce_head_mask(
     model.eval()
     for _ in tqdm(range(settings.steps), desc="head selection (REINFORCE)", unit="step", disable=not progress):
         picks = torch.randint(len(queries), (settings.batch_size,), generator=generator).tolist()
-        batch = [queries[index] for index in picks]
         probabilities = torch.sigmoid(logits)
         masks = torch.bernoulli(probabilities.detach().expand(settings.samples_per_step, -1, -1), generator=generator)
         rewards = []
         with torch.no_grad():
+            answers = FirstAnswerToken(model, tokenizer, features, [queries[index] for index in picks],
+                                       instruction=instruction)
             for mask in masks:
                 with replaced_heads(model, layout, values, mask):
-                    rewards.append(first_answer_token_log_likelihood(
-                        model, tokenizer, features, batch, instruction=instruction).mean())
+                    rewards.append(answers.log_likelihood().mean())
         rewards = torch.stack(rewards)
         advantage = rewards - rewards.mean()
         log_prob = torch.distributions.Bernoulli(probs=probabilities).log_prob(masks).sum(dim=(1, 2))

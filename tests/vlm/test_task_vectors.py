@@ -9,10 +9,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from vlm.profiles import TINY
 from vlm.segments import llava_parts, merge_multimodal_inputs, run_decoder_layers
 from vlm.task_vectors import (
+    FirstAnswerToken,
     LastTokenHeads,
     ReinforceSettings,
     chunk_activations,
-    first_answer_token_log_likelihood,
     head_layout,
     in_context_inputs,
     reinforce_head_mask,
@@ -136,7 +136,7 @@ def test_reinforce_finds_the_head_whose_replacement_raises_the_answer(tiny_answe
     o_proj = parts.language_model.layers[3].self_attn.o_proj.weight[:, : layout.head_dim]
     values = torch.zeros(layout.shape)
     values[3, 0] = 50 * o_proj.T @ parts.lm_head.weight[answer]
-    before = first_answer_token_log_likelihood(model, tokenizer, features, queries, instruction=None).mean()
+    before = FirstAnswerToken(model, tokenizer, features, queries, instruction=None).log_likelihood().mean()
     mask, rewards = reinforce_head_mask(
         model, tokenizer, features, queries, layout, values,
         ReinforceSettings(steps=25, batch_size=4, samples_per_step=6, lr=0.3),
@@ -144,7 +144,7 @@ def test_reinforce_finds_the_head_whose_replacement_raises_the_answer(tiny_answe
     )
     assert mask[3, 0]
     with torch.no_grad(), replaced_heads(model, layout, values, mask):
-        after = first_answer_token_log_likelihood(model, tokenizer, features, queries, instruction=None).mean()
+        after = FirstAnswerToken(model, tokenizer, features, queries, instruction=None).log_likelihood().mean()
     # The random model's small weights bound how far one head can move a logit.
     assert after > before + 0.1
     assert rewards[-1] > rewards[0]
