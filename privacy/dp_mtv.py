@@ -24,6 +24,12 @@ How it is accounted, where the paper leaves a choice:
   derived from the released vector, so post-processing, free.
 - The total is ε_tv + ε_sel at δ (basic composition).
 - ε_tv = inf is non-private MTV: the plain mean, no clipping and no noise.
+
+Federated (strategies.mtv, clients.mtv): each client splits its own rows into its share of the m
+chunks and sends the sum of its clipped chunk activations and its chunk count; the release is
+the same Gaussian mechanism on the summed sums (`release_sum`). The unit of privacy stays one
+example. The noise is drawn once by the aggregator (central), or as n shares of variance σ²/n by
+the clients (distributed, under SecAgg+ so that the server only ever holds the noised sum).
 """
 
 import math
@@ -51,17 +57,24 @@ from vlm.task_vectors import (
 from vqa import VQASample
 
 PUBLIC, PRIVATE = "public", "private"
+CENTRAL, DISTRIBUTED = "central", "distributed"
 # The report's entry for statistics of the private activations themselves (not differentially private).
 DIAGNOSTICS = "diagnostics_not_private"
 SELECTIONS = {
     PUBLIC: "REINFORCE on public queries (no privacy cost)",
     PRIVATE: "the exponential mechanism over candidate masks, scored on the private chunks (costs selection_epsilon)",
 }
+NOISE_SITES = {
+    CENTRAL: "the aggregator adds the release's noise once, to the sum of the clipped chunk activations",
+    DISTRIBUTED: "each of the n clients adds N(0, σ²/n) to its own sum, so the summed noise has the calibrated σ "
+                 "(under SecAgg+, no one sees a single client's sum)",
+}
 
 
 @dataclass
 class DPMTVOptions:
-    # m: disjoint chunks the private set is split into (each example in at most one).
+    # m: disjoint chunks the private set is split into (each example in at most one); federated:
+    # over all clients, each building its share of them from its own rows (chunk_counts).
     chunks: int = 32
     # K: demonstrations per chunk, before its target.
     shots: int = 4
@@ -75,8 +88,14 @@ class DPMTVOptions:
     selection: str = PUBLIC
     # ε_sel of private selection (selection = private).
     selection_epsilon: float = 0.2
-    # The decoder layers whose heads the vector covers, |S| (empty: every layer).
-    layers: tuple[int, ...] = ()
+    # The decoder layers whose heads the vector covers, |S|: comma-separated indices ("2,3,4");
+    # "": every layer.
+    layers: str = ""
+    # Federated: who draws the release's noise (NOISE_SITES).
+    noise: str = CENTRAL
+    # Public selection: the public queries REINFORCE learns the head mask on, and its steps.
+    public_queries: int = 200
+    reinforce_steps: int = 100
 
     def validate(self, private_examples: int | None = None) -> None:
         """The options alone, and with `private_examples`, what that set can deliver."""
@@ -94,8 +113,13 @@ class DPMTVOptions:
             raise OptionError("selection", self.selection, ", ".join(f"{k} ({v})" for k, v in SELECTIONS.items()))
         if self.selection == PRIVATE and not (math.isfinite(self.selection_epsilon) and self.selection_epsilon > 0):
             raise OptionError("selection_epsilon", self.selection_epsilon, "a finite number > 0 under selection=private")
-        if any(layer < 0 for layer in self.layers) or sorted(set(self.layers)) != list(self.layers):
-            raise OptionError("layers", list(self.layers), "distinct, increasing decoder layer indices (empty: all)")
+        self.layer_indices  # noqa: B018 (raises on a malformed list)
+        if self.noise not in NOISE_SITES:
+            raise OptionError("noise", self.noise, ", ".join(f"{k} ({v})" for k, v in NOISE_SITES.items()))
+        if self.public_queries < 1:
+            raise OptionError("public_queries", self.public_queries, ">= 1")
+        if self.reinforce_steps < 1:
+            raise OptionError("reinforce_steps", self.reinforce_steps, ">= 1")
         if private_examples is None:
             return
         needed = self.chunks * (self.shots + 1)
@@ -110,6 +134,24 @@ class DPMTVOptions:
     @property
     def private(self) -> bool:
         return math.isfinite(self.epsilon)
+
+    @property
+    def layer_indices(self) -> tuple[int, ...] | None:
+        """The layers as indices (None: every layer)."""
+        if not self.layers.strip():
+            return None
+        allowed = "distinct, increasing decoder layer indices, comma-separated (empty: all)"
+        try:
+            indices = tuple(int(part) for part in self.layers.split(","))
+        except ValueError:
+            raise OptionError("layers", self.layers, allowed) from None
+        if any(layer < 0 for layer in indices) or sorted(set(indices)) != list(indices):
+            raise OptionError("layers", self.layers, allowed)
+        return indices
+
+    @property
+    def reinforce(self) -> ReinforceSettings:
+        return ReinforceSettings(steps=self.reinforce_steps)
 
 
 def disjoint_chunks(examples: int, options: DPMTVOptions, seed: int) -> list[list[int]]:
@@ -129,12 +171,35 @@ def clip_per_layer(activations: torch.Tensor, clip: float) -> tuple[torch.Tensor
     return activations * scale[..., None, None], float((norms > clip).float().mean())
 
 
-def noise_std(options: DPMTVOptions, layers: int) -> float:
-    """The Gaussian noise's std on the mean: Δ₂ = √|S|·C/m times the analytic mechanism's σ(ε, δ)."""
+def clipped_sum(activations: torch.Tensor, options: DPMTVOptions) -> tuple[torch.Tensor, float]:
+    """What a holder of chunk activations [chunks, layers, heads, head_dim] contributes to the
+    release: their sum [layers, heads, head_dim], each (chunk, layer) clipped to C first (at ε = inf
+    the plain sum), and the share of them that needed it."""
+    activations = activations.float().cpu()  # the noise is drawn on the CPU, by a CPU generator
+    if not options.private:
+        return activations.sum(0), 0.0
+    clipped, clipped_share = clip_per_layer(activations, options.clip)
+    return clipped.sum(0), clipped_share
+
+
+def sum_noise_std(options: DPMTVOptions, layers: int) -> float:
+    """The Gaussian noise's std on the sum of the clipped activations: one chunk moves that sum by
+    at most √|S|·C, times the analytic mechanism's σ(ε, δ) (on the mean, over m: Δ₂ = √|S|·C/m)."""
     if not options.private:
         return 0.0
-    sensitivity = math.sqrt(layers) * options.clip / options.chunks
-    return sensitivity * float(dp_accounting.get_sigma_gaussian(options.epsilon, options.delta))
+    return math.sqrt(layers) * options.clip * float(dp_accounting.get_sigma_gaussian(options.epsilon, options.delta))
+
+
+def noise_std(options: DPMTVOptions, layers: int) -> float:
+    """The Gaussian noise's std on the released mean of `options.chunks` chunks."""
+    return sum_noise_std(options, layers) / options.chunks
+
+
+def noise_share(options: DPMTVOptions, layers: int, clients: int, shape: Sequence[int],
+                generator: torch.Generator) -> torch.Tensor:
+    """Distributed noise: one of `clients` clients' draw, N(0, σ²/clients) with σ the sum's std, so
+    that the draws of all of them sum to the calibrated noise."""
+    return torch.randn(tuple(shape), generator=generator) * (sum_noise_std(options, layers) / math.sqrt(clients))
 
 
 @dataclass
@@ -159,6 +224,32 @@ class PrivacyLedger:
         return {"epsilon": self.epsilon, "delta": self.delta, "entries": list(self.entries)}
 
 
+def release_sum(
+    total: torch.Tensor, chunks: int, options: DPMTVOptions, generator: torch.Generator, ledger: PrivacyLedger,
+    *, clients_noise_share: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """The task vector from the sum of `chunks` chunks' clipped activations, and its noise's std:
+    the mean plus Gaussian noise drawn here once (charged to `ledger`), or, with
+    `clients_noise_share`, the mean of a sum that already carries that share of the calibrated
+    noise variance (distributed noise from the clients that contributed: when some dropped out it
+    carries less, and the release is charged at the ε that noise gives). At ε = inf: the plain mean."""
+    if not options.private:
+        ledger.charge("task vector (non-private mean)", math.inf, 0.0)
+        return total / chunks, 0.0
+    sensitivity = math.sqrt(total.shape[0]) * options.clip
+    std = sum_noise_std(options, total.shape[0])
+    epsilon = options.epsilon
+    if clients_noise_share is None:
+        total = total + torch.randn(total.shape, generator=generator) * std
+    elif clients_noise_share < 1:
+        std *= math.sqrt(clients_noise_share)
+        epsilon = float(dp_accounting.get_epsilon_gaussian(std / sensitivity, options.delta))
+    ledger.charge("task vector (Gaussian)", epsilon, options.delta, noise_std=std / chunks,
+                  sensitivity=sensitivity / chunks, chunks=chunks,
+                  drawn_by="aggregator" if clients_noise_share is None else "clients")
+    return total / chunks, std / chunks
+
+
 def release_task_vector(
     activations: torch.Tensor, options: DPMTVOptions, generator: torch.Generator, ledger: PrivacyLedger
 ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -166,16 +257,9 @@ def release_task_vector(
     head_dim]: clipped, averaged and noised once (charged to `ledger`), or the plain mean at ε = inf."""
     if activations.shape[0] != options.chunks:
         raise ValueError(f"got {activations.shape[0]} chunk activations for chunks={options.chunks}")
-    activations = activations.float().cpu()  # the noise is drawn on the CPU, by a CPU generator
-    if not options.private:
-        ledger.charge("task vector (non-private mean)", math.inf, 0.0)
-        return activations.mean(0), {"clipped_share": 0.0, "noise_std": 0.0}
-    clipped, clipped_share = clip_per_layer(activations, options.clip)
-    std = noise_std(options, activations.shape[1])
-    noise = torch.randn(activations.shape[1:], generator=generator) * std
-    ledger.charge("task vector (Gaussian)", options.epsilon, options.delta, noise_std=std,
-                  sensitivity=math.sqrt(activations.shape[1]) * options.clip / options.chunks)
-    return clipped.mean(0) + noise, {"clipped_share": clipped_share, "noise_std": std}
+    total, clipped_share = clipped_sum(activations, options)
+    values, std = release_sum(total, options.chunks, options, generator, ledger)
+    return values, {"clipped_share": clipped_share, "noise_std": std}
 
 
 def candidate_masks(vector: torch.Tensor, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -266,7 +350,6 @@ def build_task_vector(
     public: Sequence[VQASample],
     options: DPMTVOptions,
     *,
-    reinforce: ReinforceSettings,
     instruction: str | None,
     seed: int,
     progress: bool = True,
@@ -274,7 +357,7 @@ def build_task_vector(
     """DP-MTV on `private` (chunks, per-layer clipping, one Gaussian release), heads chosen on
     `public` by REINFORCE or privately among candidate masks; ε = inf gives non-private MTV."""
     options.validate(len(private))
-    layout = head_layout(model, options.layers or None)
+    layout = head_layout(model, options.layer_indices)
     chunks = [[private[index] for index in chunk] for chunk in disjoint_chunks(len(private), options, seed)]
     activations = chunk_activations(model, tokenizer, features, chunks, layout, instruction=instruction,
                                     progress=progress)
@@ -291,9 +374,9 @@ def build_task_vector(
     if options.selection == PUBLIC:
         if not public:
             raise OptionError("selection", options.selection, "private when no public queries are given")
-        mask, rewards = reinforce_head_mask(model, tokenizer, features, public, layout, values, reinforce,
+        mask, rewards = reinforce_head_mask(model, tokenizer, features, public, layout, values, options.reinforce,
                                             instruction=instruction, generator=generator, progress=progress)
-        report["selection"] = {"method": PUBLIC, "reinforce": asdict(reinforce), "rewards": rewards}
+        report["selection"] = {"method": PUBLIC, "reinforce": asdict(options.reinforce), "rewards": rewards}
     else:
         masks = candidate_masks(values)
         scores = private_selection_scores(model, tokenizer, features, [chunk[-1] for chunk in chunks], layout, values,

@@ -34,7 +34,6 @@ from privacy.base import OptionError
 from privacy.dp_mtv import PRIVATE, PUBLIC, SELECTIONS, DPMTVOptions, build_task_vector, disjoint_chunks
 from sims.usage import UsageError
 from vlm.profiles import profile_names
-from vlm.task_vectors import ReinforceSettings
 
 STAGES = ("base", "vqa", "random")
 NAME = "mtv"
@@ -47,17 +46,14 @@ class MTVSettings:
     profile: str
     stage: str
     private: int
-    public: int
     test: int
     options: DPMTVOptions
     clip_auto: bool
     epsilons: tuple[float, ...]
-    reinforce: ReinforceSettings
     seed: int
 
     def to_dict(self) -> dict[str, Any]:
         values = asdict(self)
-        values["options"]["layers"] = list(self.options.layers)
         values["epsilons"] = [str(e) for e in self.epsilons]
         return values
 
@@ -73,7 +69,6 @@ def parse_epsilons(text: str) -> tuple[float, ...]:
 
 
 def settings_from(args: argparse.Namespace) -> MTVSettings:
-    layers = () if args.layers == "all" else tuple(int(part) for part in args.layers.split(","))
     clip_auto = args.clip == "auto"
     try:
         clip = 1.0 if clip_auto else float(args.clip)
@@ -85,14 +80,15 @@ def settings_from(args: argparse.Namespace) -> MTVSettings:
             raise UsageError(f"{flag} {value}: must be at least 1")
     epsilons = parse_epsilons(args.epsilons)
     options = DPMTVOptions(chunks=args.chunks, shots=args.shots, clip=clip, epsilon=min(epsilons), delta=args.delta,
-                           selection=args.selection, selection_epsilon=args.selection_epsilon, layers=layers)
+                           selection=args.selection, selection_epsilon=args.selection_epsilon,
+                           layers="" if args.layers == "all" else args.layers, public_queries=args.public,
+                           reinforce_steps=args.reinforce_steps)
     try:
         options.validate(args.private)
     except OptionError as error:
-        flag = "--" + error.option.replace("_", "-")
+        flag = {"public_queries": "--public"}.get(error.option, "--" + error.option.replace("_", "-"))
         raise UsageError(f"{flag} {error.value}: {error.allowed}") from None
-    return MTVSettings(args.profile, args.stage, args.private, args.public, args.test, options, clip_auto, epsilons,
-                       ReinforceSettings(steps=args.reinforce_steps), args.seed)
+    return MTVSettings(args.profile, args.stage, args.private, args.test, options, clip_auto, epsilons, args.seed)
 
 
 @dataclass
@@ -120,7 +116,7 @@ def load_client(settings: MTVSettings, progress: bool) -> Client:
     bundle = load_bundle(config, resolve_device(config.model.device))
     data = RunData.build(config)
     private, test = list(data.train_shard(0)), list(data.test_shard(0))
-    public = data.auxiliary(settings.public)
+    public = data.auxiliary(settings.options.public_queries)
     features = VisionFeatureCache(bundle.model, bundle.preprocess_images)
     features.add([*private, *public, *test], progress=progress)
     return Client(bundle.model.eval(), data.tokenizer(bundle), features, prompt_instruction(bundle.profile),
@@ -146,7 +142,7 @@ def public_clip(client: Client, settings: MTVSettings) -> float:
 
     options = settings.options
     chunks = max(1, min(options.chunks, len(client.public) // (options.shots + 1)))
-    layout = head_layout(client.model, options.layers or None)
+    layout = head_layout(client.model, options.layer_indices)
     indices = disjoint_chunks(len(client.public), replace(options, chunks=chunks, epsilon=math.inf), settings.seed)
     activations = chunk_activations(client.model, client.tokenizer, client.features,
                                     [[client.public[i] for i in chunk] for chunk in indices], layout,
@@ -193,7 +189,7 @@ def run_mtv(args: argparse.Namespace) -> Path:
 
         def with_vector(epsilon: float = epsilon) -> dict[str, Any]:
             vector = build_task_vector(client.model, client.tokenizer, client.features, client.private,
-                                       client.public, replace(options, epsilon=epsilon), reinforce=settings.reinforce,
+                                       client.public, replace(options, epsilon=epsilon),
                                        instruction=client.instruction, seed=settings.seed, progress=progress)
             vector.save(out / f"task_vector-eps{epsilon:g}.pt")
             return {**accuracy(client, vector=vector), "epsilon_tv": epsilon, "ledger": vector.ledger.to_dict(),
@@ -211,7 +207,7 @@ def mtv_report(results: dict[str, Any]) -> str:
     clip = f"{results['clip']:.3g} (auto: the public chunks' median per-layer norm)" if "clip" in results else o["clip"]
     lines = [f"# Task vectors on {s['profile']} ({s['stage']})", "",
              f"{s['private']} private training rows in {o['chunks']} chunks of {o['shots']} demonstrations and a target; "
-             f"{s['public']} public rows; {s['test']} test questions. C = {clip}, δ = {o['delta']:g}; head selection "
+             f"{o['public_queries']} public rows; {s['test']} test questions. C = {clip}, δ = {o['delta']:g}; head selection "
              f"{o['selection']} ({SELECTIONS[o['selection']]}). Seed {s['seed']}.", "",
              "| method | accuracy | by question kind | ε (total) | heads replaced | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for label, m in results["methods"].items():

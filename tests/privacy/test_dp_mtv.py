@@ -22,7 +22,6 @@ from privacy.dp_mtv import (
 )
 from vlm.answering import answer_questions
 from vlm.profiles import TINY
-from vlm.task_vectors import ReinforceSettings
 
 
 def test_chunks_are_disjoint_seeded_and_as_many_as_asked():
@@ -41,7 +40,9 @@ def test_chunks_are_disjoint_seeded_and_as_many_as_asked():
     (DPMTVOptions(delta=1.0), None, "delta=1.0"),
     (DPMTVOptions(selection="greedy"), None, "selection='greedy' is not allowed; allowed: public"),
     (DPMTVOptions(selection=PRIVATE, selection_epsilon=0.0), None, "selection_epsilon=0.0"),
-    (DPMTVOptions(layers=(3, 1)), None, "layers=\\[3, 1\\]"),
+    (DPMTVOptions(layers="3,1"), None, "layers='3,1'"),
+    (DPMTVOptions(layers="2,x"), None, "layers='2,x'"),
+    (DPMTVOptions(noise="local"), None, "noise='local'.*central"),
     (DPMTVOptions(chunks=11, shots=3), 40, "chunks=11 is not allowed; allowed: at most 10: 11 chunks of 3 "
                                             "demonstrations and a target need 44 examples, the private set has 40"),
     (DPMTVOptions(chunks=4, delta=0.05), 40, "delta=0.05 is not allowed; allowed: < 1/40"),
@@ -107,9 +108,8 @@ def test_candidates_are_each_layer_all_heads_and_the_largest_released_heads():
 def test_a_task_vector_costs_its_release_and_selection_and_queries_cost_nothing(tiny_answerer, selection):
     model, tokenizer, features, samples = tiny_answerer
     options = DPMTVOptions(chunks=8, shots=2, clip=1.0, epsilon=2.0, delta=1e-3, selection=selection,
-                           selection_epsilon=0.5)
+                           selection_epsilon=0.5, reinforce_steps=2)
     vector = build_task_vector(model, tokenizer, features, samples[:40], samples[40:], options,
-                               reinforce=ReinforceSettings(steps=2, batch_size=4, samples_per_step=2),
                                instruction=None, seed=0, progress=False)
     expected = 2.0 + (0.5 if selection == PRIVATE else 0.0)
     assert vector.ledger.epsilon == pytest.approx(expected)
