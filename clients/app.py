@@ -4,8 +4,10 @@ Handlers only translate messages: decode what arrived through the wire (which ch
 names, shapes, dtypes and finiteness), call the paradigm's client logic, encode the
 reply. An exception becomes Flower's error reply, whose reason the server reports.
 
-FL's handlers take and return the adapters as fp32 numpy arrays; `fl_wire_mod`, the
-outermost mod on them, decodes what arrived and encodes the reply, so the mods inside it
+Flower's default train message is FL's round of local training or, under paradigm mtv, a
+client's task-vector share (clients.mtv): SecAgg+ runs on that message type only, and both reply
+with one vector and its weight. FL's handlers take and return the adapters as fp32 numpy arrays;
+`fl_wire_mod`, the outermost mod on them inside SecAgg+'s, decodes what arrived and encodes the reply, so the mods inside it
 (Flower's DP mods, which `fl_dp_mod` applies as privacy.dp.mode says) see the adapters as
 Flower's own mods expect them. Under SecAgg+ (privacy.secagg) Flower's `secaggplus_mod` is the
 outermost (`fl_secagg_mod`): the adapters leave as its masked vector, not through the wire.
@@ -17,13 +19,14 @@ from collections.abc import Callable
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.client.mod import secaggplus_mod
+from flwr.client.mod import make_ffn, secaggplus_mod
 from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
 from flwr.common import Code, FitRes, Status
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat
 from flwr.clientapp.typing import ClientAppCallable
 
+from clients import mtv
 from clients.local import evaluate_local, train_steps
 from clients.runtime import ClientRuntime, client_runtime
 from clients.sl import SLClient
@@ -220,7 +223,6 @@ def _load_global(message: Message, rt: ClientRuntime) -> None:
     load_owner_state_dict(rt.model, segment, {key: value.to(dtype) for key, value in arrays.items()}, rt.adapter)
 
 
-@_handles(protocol.FL_TRAIN, mods=[fl_secagg_mod, fl_wire_mod, fl_dp_mod])
 def fl_train(message: Message, context: Context) -> Message:
     """FL: T_l local steps from the global adapters with a fresh AdamW (no optimiser state is shared)."""
     rt = client_runtime(context)
@@ -236,6 +238,55 @@ def fl_train(message: Message, context: Context) -> Message:
         }
     )
     return Message(content=content, reply_to=message)
+
+
+# FL's training handler inside its wire and DP mods (SecAgg+'s goes around `train`, below).
+_FL_TRAIN = make_ffn(fl_train, [fl_wire_mod, fl_dp_mod])
+
+
+def mtv_share(message: Message, context: Context) -> Message:
+    """MTV: the sum of this client's clipped chunk activations, weighted by its chunk count. Under
+    SecAgg+ it leaves as the mean (secaggplus_mod weights it by the count, so the unmasked weighted
+    average is the sum over all chunks over m); otherwise as the sum, through the wire."""
+    rt = client_runtime(context)
+    total, chunks = mtv.share(rt)
+    metrics = MetricRecord({"num-examples": float(chunks)})
+    if rt.config.privacy.secagg.enabled:
+        content = RecordDict({protocol.ARRAYS: numpy_record({protocol.SHARE: total / chunks}), protocol.METRICS: metrics})
+        return Message(content=content, reply_to=message)
+    return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {protocol.SHARE: total}, "metrics": dict(metrics)})
+
+
+@_handles(protocol.TRAIN, mods=[fl_secagg_mod])
+def train(message: Message, context: Context) -> Message:
+    """Flower's default train message: FL's local training, or MTV's share."""
+    if client_runtime(context).config.paradigm == "mtv":
+        return mtv_share(message, context)
+    return _FL_TRAIN(message, context)
+
+
+def _task_vector(message: Message, rt: ClientRuntime) -> dict[str, torch.Tensor]:
+    kind = protocol.CARRIES[message.metadata.message_type]
+    shape = mtv.layout(rt).shape
+    expected = kind.expectation(layers=shape[0], heads=shape[1], head_dim=shape[2])
+    return Wire(rt.config.wire.dtype).decode(message.content.array_records[protocol.TENSORS], expected, what=kind.name)
+
+
+@_handles(protocol.MTV_SCORES)
+def mtv_scores(message: Message, context: Context) -> Message:
+    """MTV private selection: this client's counts over the candidate masks of the released values."""
+    rt = client_runtime(context)
+    scores = mtv.selection_scores(rt, _task_vector(message, rt)[protocol.VALUES])
+    return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {protocol.SCORES: scores}, "metrics": {}})
+
+
+@_handles(protocol.MTV_EVALUATE)
+def mtv_evaluate(message: Message, context: Context) -> Message:
+    """MTV: the test share answered zero-shot and with the released task vector."""
+    rt = client_runtime(context)
+    vector = _task_vector(message, rt)
+    metrics = mtv.evaluate(rt, vector[protocol.VALUES], vector[protocol.MASK])
+    return _reply(message, Wire(rt.config.wire.dtype), {"tensors": {}, "metrics": metrics})
 
 
 @_handles(protocol.FL_EVALUATE, mods=[fl_wire_mod])

@@ -20,13 +20,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from privacy import EDGE, LOSS, STAGES, OptionError, defense_class, defense_names, parse_defense_names
 from privacy.dp import MODES, SGD, DPOptions, Federation, noise_multiplier
+from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts
 from privacy.secagg import SecAggOptions
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
 from vqa import dataset_names, get_adapter
 from wire import WIRE_DTYPES
 
-PARADIGMS = ("cl", "fl", "sl", "usl")
+# mtv: federated DP-MTV (privacy.dp_mtv): clients send their task-vector shares, nothing is trained.
+PARADIGMS = ("cl", "fl", "sl", "usl", "mtv")
 PARTITIONS = ("iid", "dirichlet")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -34,6 +36,8 @@ MODEL_STAGES = ("base", "vqa", "random")
 # The server's threat model, and the paradigms it can act in: a passive server records what
 # crosses a wire (none does in CL); FSHA hijacks the client's front through the first cut.
 THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl"), "active-fsha": ("sl", "usl")}
+# Keys that may hold inf: a task vector's epsilon (inf: non-private MTV).
+INFINITE_KEYS = ("privacy.mtv.epsilon",)
 # Keys that may change when a run resumes (a longer run, a different timeout).
 RESUMABLE_KEYS = ("train.rounds", "faults.timeout_s", "output.resume", "clients.warm_worker", "clients.worker_idle_s")
 
@@ -152,11 +156,13 @@ class PruningConfig:
 # options (its Options dataclass owns the defaults); `seed` seeds their random draws, which
 # are also keyed by client, round and step. `privacy.dp.<option>`: differential privacy for
 # FedAvg with its budget (privacy.dp), the same seed keying its noise; `privacy.secagg.<option>`:
-# FedAvg's training rounds through SecAgg+ (privacy.secagg).
+# FedAvg's training rounds through SecAgg+ (privacy.secagg); `privacy.mtv.<option>`: federated DP-MTV
+# (paradigm mtv; privacy.dp_mtv).
 PrivacyConfig = make_dataclass(
     "PrivacyConfig",
     [("defenses", str, field(default="")), ("seed", int, field(default=0)),
-     ("dp", DPOptions, field(default_factory=DPOptions)), ("secagg", SecAggOptions, field(default_factory=SecAggOptions))]
+     ("dp", DPOptions, field(default_factory=DPOptions)), ("secagg", SecAggOptions, field(default_factory=SecAggOptions)),
+     ("mtv", DPMTVOptions, field(default_factory=DPMTVOptions))]
     + [(name, defense_class(name).Options, field(default_factory=defense_class(name).Options)) for name in defense_names()],
 )
 
@@ -279,7 +285,7 @@ def validate(config: SimConfig) -> None:
     """Check every value; fills the profile-default cuts and LoRA rank in place."""
     # inf and nan pass every comparison below the wrong way (nan <= 0 is false): none is a setting.
     for key, value in config.to_flat().items():
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value) and not (key in INFINITE_KEYS and value == math.inf):
             raise ConfigError(key, value, "a finite number")
     _choice("paradigm", config.paradigm, PARADIGMS)
     _choice("model.profile", config.model.profile, profile_names())
@@ -400,6 +406,7 @@ def _validate_privacy(config: SimConfig) -> None:
         except OptionError as error:
             raise ConfigError(f"privacy.{name}.{error.option}", error.value, error.allowed) from None
     _validate_federated_privacy(config)
+    _validate_mtv(config)
     # The active EDGE defenses against the profile's tower, before it loads.
     profile = get_profile(config.model.profile)
     for name in names:
@@ -434,14 +441,64 @@ def _validate_federated_privacy(config: SimConfig) -> None:
     try:
         secagg.validate()
         if secagg.enabled:
-            if config.paradigm != "fl":
-                raise OptionError("enabled", secagg.enabled, f"false for paradigm {config.paradigm} (SecAgg+ sums FedAvg updates)")
-            secagg.resolved(config.clients.sampled, config.train.steps_per_round * config.train.batch_size)
+            if config.paradigm not in ("fl", "mtv"):
+                raise OptionError("enabled", secagg.enabled, f"false for paradigm {config.paradigm} (SecAgg+ sums FedAvg "
+                                  "updates and task-vector shares)")
+            secagg.resolved(config.clients.sampled, secagg_weight(config))
     except OptionError as error:
         raise ConfigError(f"privacy.secagg.{error.option}", error.value, error.allowed) from None
     if secagg.enabled and dp.server_clips:
         raise ConfigError("privacy.dp.mode", dp.mode, "off, local or central-client-clipping under privacy.secagg.enabled "
                           "(the server cannot clip updates it only sees summed)")
+
+
+def secagg_weight(config: SimConfig) -> float:
+    """What a client weights its SecAgg+ vector by, at most: its examples in an FL round, its chunks in MTV."""
+    if config.paradigm == "mtv":
+        return float(max(chunk_counts(config.privacy.mtv.chunks, config.clients.count)))
+    return float(config.train.steps_per_round * config.train.batch_size)
+
+
+def _validate_mtv(config: SimConfig) -> None:
+    """privacy.mtv's options, and under paradigm mtv what the federation can deliver: each client's
+    share of the chunks from its rows, delta below one over the private rows, a noise site that
+    keeps the server from any single client's sum, and nothing of the training paradigms."""
+    options = config.privacy.mtv
+    try:
+        options.validate()
+    except OptionError as error:
+        raise ConfigError(f"privacy.mtv.{error.option}", error.value, error.allowed) from None
+    layers = get_profile(config.model.profile).num_layers
+    if any(layer >= layers for layer in options.layer_indices or ()):
+        raise ConfigError("privacy.mtv.layers", options.layers, f"decoder layers in [0, {layers}) (model.profile="
+                          f"{config.model.profile} has {layers})")
+    if config.paradigm != "mtv":
+        return
+    if config.train.rounds != 1:
+        raise ConfigError("train.rounds", config.train.rounds, "1 under paradigm mtv (a task vector is released once; "
+                          "every further release would spend its budget again)")
+    if config.pruning.policy != "off":
+        raise ConfigError("pruning.policy", config.pruning.policy, "off under paradigm mtv (no visual tokens cross a cut)")
+    if options.chunks < config.clients.count:
+        raise ConfigError("privacy.mtv.chunks", options.chunks, f">= clients.count={config.clients.count} (every "
+                          "client builds at least one chunk)")
+    train_limit = config.data.train_limit
+    if train_limit and config.data.partition == "iid":
+        most = max(chunk_counts(options.chunks, config.clients.count))
+        rows = train_limit // config.clients.count
+        if most * (options.shots + 1) > rows:
+            raise ConfigError("privacy.mtv.chunks", options.chunks, f"at most {rows // (options.shots + 1) * config.clients.count}"
+                              f": the clients' {rows} training rows each hold {rows // (options.shots + 1)} chunks of "
+                              f"{options.shots} demonstrations and a target (data.train_limit={train_limit})")
+    if train_limit and options.private and options.delta >= 1 / train_limit:
+        raise ConfigError("privacy.mtv.delta", options.delta, f"< 1/data.train_limit = {1 / train_limit:.3g} (the "
+                          "private rows: a delta that large lets a mechanism publish one example outright)")
+    if options.noise == DISTRIBUTED and not config.privacy.secagg.enabled:
+        raise ConfigError("privacy.mtv.noise", options.noise, "central, or distributed with privacy.secagg.enabled "
+                          "(without secure aggregation the server sees each client's sum with a 1/√n share of the noise)")
+    if options.selection == PRIVATE and (options.noise == DISTRIBUTED or config.privacy.secagg.enabled):
+        raise ConfigError("privacy.mtv.selection", options.selection, "public under privacy.secagg.enabled or "
+                          "noise=distributed (private selection sends each client's candidate scores to the server)")
 
 
 def _check_dp_sgd(config: SimConfig) -> None:

@@ -50,7 +50,7 @@ SGD = "sgd"
 # Each mode: what it does, whether the server (not the client) adds the noise, and the
 # paradigms it applies to.
 MODES = {
-    OFF: ("no differential privacy", False, ("cl", "fl", "sl", "usl")),
+    OFF: ("no differential privacy", False, ("cl", "fl", "sl", "usl", "mtv")),
     CENTRAL: ("the server clips each client's update to `clip` and noises their average", True, ("fl",)),
     CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True, ("fl",)),
     CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True, ("fl",)),

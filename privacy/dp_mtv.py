@@ -163,6 +163,12 @@ def disjoint_chunks(examples: int, options: DPMTVOptions, seed: int) -> list[lis
     return [order[chunk * size : (chunk + 1) * size] for chunk in range(options.chunks)]
 
 
+def chunk_counts(chunks: int, clients: int) -> list[int]:
+    """Federated: each client's share of the m chunks, by partition (as even as can be, the first
+    ones one more), each built from that client's own rows."""
+    return [chunks // clients + (partition < chunks % clients) for partition in range(clients)]
+
+
 def clip_per_layer(activations: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
     """[chunks, layers, heads, head_dim] with each (chunk, layer) scaled to L2 norm <= clip, and
     the share of them that needed it."""

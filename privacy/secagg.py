@@ -1,4 +1,5 @@
-"""Secure aggregation for FedAvg with Flower's SecAgg+ protocol: its options (`privacy.secagg.<option>`).
+"""Secure aggregation with Flower's SecAgg+ protocol, for FedAvg's updates and federated DP-MTV's
+task-vector shares: its options (`privacy.secagg.<option>`).
 
 Under SecAgg+ a client's adapters leave as a masked integer vector: quantised to
 `quantization_range` levels over [-clipping_range, clipping_range], weighted by its example
@@ -38,7 +39,7 @@ class SecAggOptions:
     clipping_range: float = 8.0
     quantization_range: int = 2**22
     # The largest example count a client may weight its vector by; 0: the examples each client
-    # trains on in a round (train.steps_per_round × train.batch_size). The vector is scaled by
+    # trains on in a round (train.steps_per_round × train.batch_size), or under MTV its chunks. The vector is scaled by
     # weight / max_weight before quantisation, so a loose bound costs precision in proportion.
     max_weight: float = 0.0
 
@@ -69,5 +70,6 @@ class SecAggOptions:
         max_weight = self.max_weight or weight
         if weight > max_weight:
             raise OptionError("max_weight", self.max_weight,
-                              f">= {weight:g}, the examples a client weights its update by (train.steps_per_round × train.batch_size)")
+                              f">= {weight:g}, the most a client weights its vector by (FL: its examples in a round, "
+                              "train.steps_per_round × train.batch_size; MTV: its share of privacy.mtv.chunks)")
         return shares, threshold, max_weight

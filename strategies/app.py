@@ -21,6 +21,7 @@ from strategies.callbacks import (Checkpointer, Heartbeat, MetricsLog, RunCallba
                                   failure_details, participation)
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, WireGrid
+from strategies.mtv import MTVStrategy
 from strategies.split import SLStrategy, USLStrategy
 from training.data import RunData
 from training.model import SERVER, load_party_model
@@ -36,10 +37,13 @@ OBSERVER_FACTORIES: list[Callable[[SimConfig, RunFolder], Callable[[Transfer], N
 
 
 def build_round_strategy(
-    config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback], folder: RunFolder, *, resuming: bool = False
+    config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback], folder: RunFolder, partitions: dict[int, int],
+    *, resuming: bool = False,
 ) -> RoundStrategy:
     if config.paradigm == "cl":
         return CLStrategy(config, wire, callbacks)
+    if config.paradigm == "mtv":
+        return MTVStrategy(config, wire, callbacks, partitions)
     # A hijacking server holds the whole public model (FSHA's pilot imitates the client's front).
     hijacking = config.threat.model == "active-fsha"
     party = load_party_model(config, None if hijacking else SERVER)
@@ -97,7 +101,7 @@ def _run(grid: Grid, config: SimConfig, folder: RunFolder) -> RunFolder:
                     evaluate_config=ConfigRecord(),
                 )
         else:
-            strategy = build_round_strategy(config, wire, callbacks, folder, resuming=checkpoint is not None)
+            strategy = build_round_strategy(config, wire, callbacks, folder, partitions, resuming=checkpoint is not None)
             if checkpoint is not None:
                 strategy.load_state_dict(checkpoint)
             strategy.run(grid, list(partitions), first_round, num_rounds)

@@ -112,7 +112,7 @@ class WireFedAvg(FedAvg):
         self.record, self.faults, self.client_budgets = {}, [], []
         self.pruned = PruningRecord(num_patches=self.num_patches)
         round_ = self.round_of(server_round)
-        return self._compose(arrays, config, self.sampled_nodes(round_), protocol.FL_TRAIN, round_, "train")
+        return self._compose(arrays, config, self.sampled_nodes(round_), protocol.TRAIN, round_, "train")
 
     # -- the wire, applied by WireGrid --------------------------------------------------------
     def wire_out(self, messages: list[Message]) -> list[Message]:

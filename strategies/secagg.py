@@ -28,6 +28,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import SecAggPl
 from flwr.serverapp import Grid
 
 from config import SimConfig
+from config.schema import secagg_weight
 from privacy.secagg import MODULUS_RANGE
 from strategies.base import GridWrapper
 from training import protocol
@@ -112,9 +113,7 @@ class SecureAggregation:
 
     def __init__(self, config: SimConfig) -> None:
         options = config.privacy.secagg
-        shares, threshold, max_weight = options.resolved(
-            config.clients.sampled, config.train.steps_per_round * config.train.batch_size
-        )
+        shares, threshold, max_weight = options.resolved(config.clients.sampled, secagg_weight(config))
         self.options = options
         self.workflow = SecAggPlusWorkflow(
             shares, threshold, max_weight=max_weight, clipping_range=options.clipping_range,

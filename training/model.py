@@ -31,7 +31,7 @@ RANDOM_VOCAB_SIZE = 64
 CLIENT, SERVER = "client", "server"
 # The segments each party runs, trains and keeps, per paradigm (vlm.cuts owner names).
 PARTY_OWNERS = {
-    CLIENT: {"cl": ("all",), "fl": ("all",), "sl": ("client",), "usl": ("head", "tail")},
+    CLIENT: {"cl": ("all",), "fl": ("all",), "mtv": ("all",), "sl": ("client",), "usl": ("head", "tail")},
     SERVER: {"sl": ("server",), "usl": ("body",)},
 }
 

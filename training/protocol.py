@@ -32,16 +32,21 @@ SL_EVAL_NEXT = "evaluate.sl_next"  # next tokens chosen by the server's LM head
 USL_EVAL_TAIL = "evaluate.usl_tail"  # activation at CB; the client's tail picks the next tokens
 CL_TRAIN = "train.cl"
 LOCAL_EVALUATE = "evaluate.local"  # CL and FL: the client scores its test share on its own
-# FL: Flower's FedAvg sends its default message types, handled by `@app.train()` / `@app.evaluate()`.
-FL_TRAIN = "train"
+# Flower's default message types, handled by `@app.train()` / `@app.evaluate()`: FL's FedAvg sends
+# them; TRAIN is also MTV's share (SecAgg+ runs only on it).
+TRAIN = "train"
 FL_EVALUATE = "evaluate"
+# Federated DP-MTV (paradigm mtv): after the shares, the released values for private head
+# selection's scores, then the task vector each client answers its test share with.
+MTV_SCORES = "train.mtv_scores"
+MTV_EVALUATE = "evaluate.mtv"
 # Start of every run (and resume): each node answers its partition, so clients are ordered by
 # partition rather than by Flower's random node ids.
 PARTITION_QUERY = "query.partition"
 PARTITION_ID = "partition-id"  # the reply's metric, as the node's node_config names it
 MESSAGE_TYPES = (
     SPLIT_BEGIN, SL_BACKWARD, USL_TAIL, USL_HEAD, EVAL_BEGIN, SL_EVAL_NEXT, USL_EVAL_TAIL, CL_TRAIN, LOCAL_EVALUATE,
-    FL_TRAIN, FL_EVALUATE, PARTITION_QUERY,
+    TRAIN, FL_EVALUATE, MTV_SCORES, MTV_EVALUATE, PARTITION_QUERY,
 )
 # The run folder's record of the answers: node id -> partition id of every node that served the run.
 NODE_PARTITIONS_FILE = "nodes.json"
@@ -53,10 +58,15 @@ GRAD = "grad"  # the gradient of the packed rows [n, D]
 ANSWERS = "answers"  # SL: every sample's answer tokens, concatenated
 ANSWER_LENGTHS = "answer_lengths"  # SL: each sample's answer length [B]
 TOKENS = "tokens"  # SL evaluation: the next token per sample, chosen by the server's LM head [B]
+SHARE = "share"  # MTV: a client's sum of clipped chunk activations [layers, heads, head_dim]
+VALUES = "values"  # MTV: the released task vector [layers, heads, head_dim]
+MASK = "mask"  # MTV: the heads it replaces [layers, heads], 0 or 1
+SCORES = "scores"  # MTV private selection: per candidate mask, the client's chunks it helps [candidates]
 
 # Named sizes a tensor's shape may refer to (`TransferKind.expectation` fills them in).
 HIDDEN = "hidden"  # the decoder's hidden size D
 ROW_COUNT = "rows"  # the number of rows the receiver expects back (one per row it sent)
+LAYERS, HEADS, HEAD_DIM = "layers", "heads", "head_dim"  # MTV: a task vector's layout
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,9 @@ EVAL_ACTIVATION_AT_CA = TransferKind("evaluation activation at CA", "up", _PACKE
 EVAL_ACTIVATION_AT_C = TransferKind("evaluation activation at C", "up", _PACKED)
 GRADIENT_AT_CB = TransferKind("gradient at CB", "up", (TensorSpec(GRAD, (ROW_COUNT, HIDDEN), "float"),))
 ADAPTER_UPDATE = TransferKind("adapter update", "up", adapters=True)  # FL
+_TASK_VECTOR = TensorSpec(VALUES, (LAYERS, HEADS, HEAD_DIM), "float")
+TASK_VECTOR_SHARE = TransferKind("task vector share", "up", (TensorSpec(SHARE, (LAYERS, HEADS, HEAD_DIM), "float"),))
+SELECTION_SCORES = TransferKind("selection scores", "up", (TensorSpec(SCORES, (None,), "index"),))
 # Metrics-only replies: counted on the ledger, no tensors.
 END_OF_TURN = TransferKind("end of turn", "up")
 EVALUATION_SCORE = TransferKind("evaluation score", "up")
@@ -134,6 +147,8 @@ GRADIENT_AT_C = TransferKind("gradient at C", "down", (TensorSpec(GRAD, (None, H
 NEXT_TOKENS = TransferKind("next tokens", "down", (TensorSpec(TOKENS, (None,), "index"),))
 GLOBAL_ADAPTERS = TransferKind("global adapters", "down", adapters=True, replayed=True)  # FL training
 EVALUATION_ADAPTERS = TransferKind("evaluation adapters", "down", adapters=True)  # FL evaluation
+RELEASED_VALUES = TransferKind("released task vector values", "down", (_TASK_VECTOR,))  # MTV private selection
+TASK_VECTOR = TransferKind("task vector", "down", (_TASK_VECTOR, TensorSpec(MASK, (LAYERS, HEADS), "index")))
 
 KINDS: dict[str, TransferKind] = {
     kind.name: kind
@@ -141,6 +156,7 @@ KINDS: dict[str, TransferKind] = {
         ACTIVATION_AT_CA, ACTIVATION_AT_C, EVAL_ACTIVATION_AT_CA, EVAL_ACTIVATION_AT_C, GRADIENT_AT_CB,
         ADAPTER_UPDATE, END_OF_TURN, EVALUATION_SCORE, TRAINING_REPORT, ACTIVATION_AT_CB,
         EVAL_ACTIVATION_AT_CB, GRADIENT_AT_CA, GRADIENT_AT_C, NEXT_TOKENS, GLOBAL_ADAPTERS, EVALUATION_ADAPTERS,
+        TASK_VECTOR_SHARE, SELECTION_SCORES, RELEASED_VALUES, TASK_VECTOR,
     )
 }
 
@@ -151,8 +167,10 @@ CARRIES: dict[str, TransferKind] = {
     USL_TAIL: ACTIVATION_AT_CB,
     USL_EVAL_TAIL: EVAL_ACTIVATION_AT_CB,
     SL_EVAL_NEXT: NEXT_TOKENS,
-    FL_TRAIN: GLOBAL_ADAPTERS,
+    TRAIN: GLOBAL_ADAPTERS,  # FL's; MTV's share carries only config
     FL_EVALUATE: EVALUATION_ADAPTERS,
+    MTV_SCORES: RELEASED_VALUES,
+    MTV_EVALUATE: TASK_VECTOR,
 }
 
 # The activation at the first cut, per split paradigm (what the activation attacks read).

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from vlm.answering import encode_prompts
 from vlm.features import VisionFeatureCache
+from vlm.profiles import Profile
 from vlm.segments import llava_parts, merge_multimodal_inputs, project_visual_features, run_decoder_layers
 from vqa import VQASample
 
@@ -52,14 +53,21 @@ class HeadLayout:
 def head_layout(model: nn.Module, layers: Sequence[int] | None = None) -> HeadLayout:
     """The layout of `layers` (default: every decoder layer), checked against the model."""
     parts = llava_parts(model)
-    config = parts.language_model.config
-    chosen = tuple(range(parts.num_layers)) if layers is None else tuple(layers)
-    if not chosen or sorted(set(chosen)) != list(chosen) or not all(0 <= layer < parts.num_layers for layer in chosen):
-        raise ValueError(
-            f"layers={list(chosen)}: need distinct, increasing decoder layers in [0, {parts.num_layers})"
-        )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return HeadLayout(chosen, config.num_attention_heads, head_dim)
+    return _layout(parts.language_model.config.to_dict(), parts.num_layers, layers)
+
+
+def profile_head_layout(profile: Profile, layers: Sequence[int] | None = None) -> HeadLayout:
+    """The same from a profile, without building its model (what a server checks shares against)."""
+    return _layout(dict(profile.text), profile.num_layers, layers)
+
+
+def _layout(text_config: dict, num_layers: int, layers: Sequence[int] | None) -> HeadLayout:
+    chosen = tuple(range(num_layers)) if layers is None else tuple(layers)
+    if not chosen or sorted(set(chosen)) != list(chosen) or not all(0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"layers={list(chosen)}: need distinct, increasing decoder layers in [0, {num_layers})")
+    heads = text_config["num_attention_heads"]
+    head_dim = text_config.get("head_dim") or text_config["hidden_size"] // heads
+    return HeadLayout(chosen, heads, head_dim)
 
 
 def _output_projections(model: nn.Module, layout: HeadLayout) -> list[nn.Module]:

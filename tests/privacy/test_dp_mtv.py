@@ -16,9 +16,14 @@ from privacy.dp_mtv import (
     candidate_masks,
     clip_per_layer,
     disjoint_chunks,
+    chunk_counts,
+    clipped_sum,
     exponential_mechanism,
+    noise_share,
     noise_std,
+    release_sum,
     release_task_vector,
+    sum_noise_std,
 )
 from vlm.answering import answer_questions
 from vlm.profiles import TINY
@@ -76,6 +81,27 @@ def test_the_noise_has_the_scale_the_accountant_calibrates():
     assert draws.std().item() == pytest.approx(std, rel=0.03)
     assert draws.mean().abs().item() < 3 * std / math.sqrt(draws.numel())
     assert ledger.epsilon == pytest.approx(200 * options.epsilon)
+
+
+def test_clients_sums_add_up_to_the_central_clipped_mean_and_their_noise_shares_to_its_noise():
+    options = DPMTVOptions(chunks=10, clip=1.0, epsilon=1.0, delta=1e-5)
+    activations = torch.randn(10, 3, 4, 8)
+    counts = chunk_counts(options.chunks, 3)
+    assert counts == [4, 3, 3]
+    parts = torch.split(activations, counts)
+    total = sum(clipped_sum(part, options)[0] for part in parts)
+    clipped, _ = clip_per_layer(activations, options.clip)
+    torch.testing.assert_close(total / options.chunks, clipped.mean(0))
+    # Three clients' shares of the noise sum to the std one aggregator would draw.
+    draws = torch.stack([noise_share(options, 3, 3, (20000,), torch.Generator().manual_seed(client)) for client in range(3)])
+    assert draws.sum(0).std().item() == pytest.approx(sum_noise_std(options, 3), rel=0.03)
+    assert sum_noise_std(options, 3) / options.chunks == pytest.approx(noise_std(options, 3))
+    # All of it arrived: charged at ε; a third missing: charged at the larger ε two thirds of the variance give.
+    for share, charged in ((1.0, lambda e: e == pytest.approx(1.0)), (2 / 3, lambda e: e > 1.0)):
+        ledger = PrivacyLedger()
+        values, std = release_sum(total, options.chunks, options, torch.Generator(), ledger, clients_noise_share=share)
+        torch.testing.assert_close(values, total / options.chunks)  # the clients' noise is already in the sum
+        assert charged(ledger.epsilon) and std == pytest.approx(noise_std(options, 3) * math.sqrt(share))
 
 
 def test_non_private_mtv_is_the_plain_mean():

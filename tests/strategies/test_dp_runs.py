@@ -60,7 +60,7 @@ def test_client_side_clipping_bounds_every_client_s_update(run_config, fake_grid
     norms = []
 
     def update_norm(message: Message, reply: Message) -> Message:
-        if message.metadata.message_type == protocol.FL_TRAIN:
+        if message.metadata.message_type == protocol.TRAIN:
             sent, back = adapters(message.content.array_records[protocol.ARRAYS]), adapters(reply.content.array_records[protocol.ARRAYS])
             norms.append(torch.sqrt(sum(((back[k] - sent[k]) ** 2).sum() for k in sent)).item())
         return reply
