@@ -1,4 +1,5 @@
-"""Attacks on what the server observed: FSHA, FORA, iDLG, MIA, ActInv, SARA, behind one interface and a registry.
+"""Attacks on what the server observed: FSHA, FORA, iDLG, MIA, ActInv, SARA, and the membership audit of
+a released task vector (mtv_mia), behind one interface and a registry.
 
     from attacks import AttackerKnowledge, Recording, build_attack
     attack = build_attack("fora", knowledge, decoder_steps=2000).fit(aux_samples)
@@ -25,7 +26,7 @@ from attacks.recording import (
 )
 
 # Importing an attack module registers it.
-from attacks import actinv, fora, fsha, idlg, mia, sara  # noqa: F401  isort: skip
+from attacks import actinv, fora, fsha, idlg, mia, mtv_mia, sara  # noqa: F401  isort: skip
 
 __all__ = [
     "Attack",

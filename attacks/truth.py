@@ -24,6 +24,7 @@ from pruning import VisualTokenSelector
 from config import SimConfig, load_config
 from training import protocol
 from privacy import EDGE
+from privacy.dp_mtv import client_chunks
 from training.batches import VisionEdge, sent_visual_rows, train_positions
 from training.data import RunData
 from training.defenses import build_defenses
@@ -177,10 +178,18 @@ class RunTruth:
         return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
-        """With data.canaries: the canaries the clients trained on and those they never saw, each
-        with its random answer (memorising it is the only way to score it well). Without: every
-        client's training shard, and the test questions clients score on (never trained on) —
-        whose images the training split does not share."""
+        """With data.canaries: the canaries the clients trained on (under paradigm mtv: those a
+        client placed as a demonstration in one of its task-vector chunks) and those they never
+        saw, each with its random answer (memorising it is the only way to score it well). Without:
+        every client's training shard, and the test questions clients score on (never trained
+        on) — whose images the training split does not share."""
+        if self.data.canary_members and self.config.paradigm == "mtv":
+            canaries = {(s.image_id, s.question, s.answer) for s in self.data.canary_members}
+            options, count = self.config.privacy.mtv, self.config.clients.count
+            shown = [shard[index] for partition, shard in enumerate(self.shards)
+                     for chunk in client_chunks(options, count, partition, len(shard), self.config.privacy.seed)
+                     for index in chunk[:-1] if (shard[index].image_id, shard[index].question, shard[index].answer) in canaries]
+            return shown, list(self.data.canary_non_members)
         if self.data.canary_members:
             return list(self.data.canary_members), list(self.data.canary_non_members)
         members = [s for shard in self.shards for s in shard]

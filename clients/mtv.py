@@ -12,9 +12,6 @@ The chunks are a seeded draw of (privacy.seed, partition), so every message rebu
 without keeping state between them.
 """
 
-import hashlib
-from dataclasses import replace
-
 import torch
 
 from clients.runtime import ClientRuntime
@@ -22,9 +19,8 @@ from privacy import OptionError
 from privacy.dp_mtv import (
     DISTRIBUTED,
     candidate_masks,
-    chunk_counts,
+    client_chunks,
     clipped_sum,
-    disjoint_chunks,
     noise_share,
     private_selection_scores,
 )
@@ -33,21 +29,14 @@ from vlm.task_vectors import HeadLayout, chunk_activations, head_layout, replace
 from vqa import VQASample, score_sample
 
 
-def _seed(rt: ClientRuntime, purpose: str) -> int:
-    digest = hashlib.sha256(f"mtv:{purpose}:{rt.config.privacy.seed}:{rt.partition_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
 def own_chunks(rt: ClientRuntime) -> list[list[VQASample]]:
     """This client's chunks: its share of privacy.mtv.chunks, disjoint, from its own training rows."""
-    options = rt.config.privacy.mtv
-    count = chunk_counts(options.chunks, rt.config.clients.count)[rt.partition_id]
-    samples = [item.sample for item in rt.train]
+    options, samples = rt.config.privacy.mtv, [item.sample for item in rt.train]
     try:
-        indices = disjoint_chunks(len(samples), replace(options, chunks=count), _seed(rt, "chunks"))
+        indices = client_chunks(options, rt.config.clients.count, rt.partition_id, len(samples), rt.config.privacy.seed)
     except OptionError as error:
-        raise ValueError(f"privacy.mtv.{error.option}={options.chunks!r} cannot be served by client {rt.partition_id}: "
-                         f"its share is {count} chunks; {error.allowed}") from None
+        raise ValueError(f"privacy.mtv.{error.option}={getattr(options, error.option)!r} cannot be served by client "
+                         f"{rt.partition_id} with {len(samples)} training rows: {error.allowed}") from None
     return [[samples[index] for index in chunk] for chunk in indices]
 
 
@@ -65,7 +54,7 @@ def share(rt: ClientRuntime) -> tuple[torch.Tensor, int]:
                                     instruction=rt.party.instruction, progress=False)
     total, _ = clipped_sum(activations, options)
     if options.noise == DISTRIBUTED and options.private:
-        generator = torch.Generator().manual_seed(_seed(rt, "noise"))
+        generator = rt.defenses.seed_for(rt.partition_id, 1, 0).generator("mtv-noise")
         total = total + noise_share(options, total.shape[0], rt.config.clients.count, total.shape, generator)
     return total, len(chunks)
 

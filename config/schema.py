@@ -35,7 +35,7 @@ DEVICES = ("auto", "cpu", "cuda")
 MODEL_STAGES = ("base", "vqa", "random")
 # The server's threat model, and the paradigms it can act in: a passive server records what
 # crosses a wire (none does in CL); FSHA hijacks the client's front through the first cut.
-THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl"), "active-fsha": ("sl", "usl")}
+THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl", "mtv"), "active-fsha": ("sl", "usl")}
 # Keys that may hold inf: a task vector's epsilon (inf: non-private MTV).
 INFINITE_KEYS = ("privacy.mtv.epsilon",)
 # Keys that may change when a run resumes (a longer run, a different timeout).

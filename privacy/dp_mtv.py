@@ -32,9 +32,10 @@ example. The noise is drawn once by the aggregator (central), or as n shares of 
 the clients (distributed, under SecAgg+ so that the server only ever holds the noised sum).
 """
 
+import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,15 @@ def chunk_counts(chunks: int, clients: int) -> list[int]:
     """Federated: each client's share of the m chunks, by partition (as even as can be, the first
     ones one more), each built from that client's own rows."""
     return [chunks // clients + (partition < chunks % clients) for partition in range(clients)]
+
+
+def client_chunks(options: DPMTVOptions, clients: int, partition: int, rows: int, seed: int) -> list[list[int]]:
+    """Federated: the chunks client `partition` of `clients` builds (indices into its `rows` training
+    rows): its share of the m chunks, a seeded draw of (seed, partition), so the client rebuilds the
+    same ones in every message and a membership audit knows which rows went in."""
+    count = chunk_counts(options.chunks, clients)[partition]
+    digest = hashlib.sha256(f"mtv:chunks:{seed}:{partition}".encode()).digest()
+    return disjoint_chunks(rows, replace(options, chunks=count), int.from_bytes(digest[:8], "big") >> 1)
 
 
 def clip_per_layer(activations: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:

@@ -49,9 +49,6 @@ from vlm.profiles import get_profile
 from vlm.task_vectors import profile_head_layout, reinforce_head_mask
 from wire import Wire
 
-TASK_VECTOR_FILE = "task_vector.pt"
-
-
 class MTVStrategy(RoundStrategy):
     def __init__(
         self, config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback], partitions: Mapping[int, int]
@@ -170,7 +167,7 @@ class MTVStrategy(RoundStrategy):
         report["selected_heads"] = int(mask.sum())
         report["ledger"] = ledger.to_dict()
         self.vector = TaskVector(self.layout, values, mask, ledger, report)
-        self.vector.save(self.config.run_folder() / TASK_VECTOR_FILE)
+        self.vector.save(self.config.run_folder() / protocol.TASK_VECTOR_FILE)
         record = {"chunks": chunks, "clients_averaged": contributors, "mtv_noise_std": std,
                   "selected_heads": int(mask.sum()), "selection": self.options.selection}
         if self.options.private:

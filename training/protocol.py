@@ -50,6 +50,8 @@ MESSAGE_TYPES = (
 )
 # The run folder's record of the answers: node id -> partition id of every node that served the run.
 NODE_PARTITIONS_FILE = "nodes.json"
+# MTV: the run folder's released task vector (values, mask, ledger), what a membership audit queries with.
+TASK_VECTOR_FILE = "task_vector.pt"
 
 # Tensor names.
 ROWS = "rows"  # packed hidden states at a cut: the real tokens' rows [n, D]

@@ -11,13 +11,14 @@ import torch
 from flwr.app import Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
+from attacks.replay import replay
+from attacks.truth import RunTruth
 from clients.app import app as client_app
 from clients.mtv import own_chunks
 from clients.runtime import build_runtime
 from config import ConfigError, load_config
 from privacy.dp_mtv import PrivacyLedger, release_task_vector
 from strategies.app import run
-from strategies.mtv import TASK_VECTOR_FILE
 from training import protocol
 from vlm.task_vectors import chunk_activations, head_layout
 
@@ -35,7 +36,7 @@ def record(folder):
 
 
 def released(folder):
-    return torch.load(folder.path / TASK_VECTOR_FILE)
+    return torch.load(folder.path / protocol.TASK_VECTOR_FILE)
 
 
 def central_activations(raw, tmp_path):
@@ -156,3 +157,22 @@ def test_mtv_settings_that_cannot_run_are_refused_before_any_model_loads(run_con
     with pytest.raises(ConfigError, match=allowed) as error:
         load_config(mtv_config(run_config, "bad", **overrides))
     assert error.value.key == key
+
+
+def test_the_membership_audit_queries_the_release_on_the_canaries_its_chunks_showed(run_config, fake_grid, tmp_path):
+    raw = mtv_config(run_config, "audit", **{"data.canaries": 8, "threat.model": "passive", "privacy.mtv.shots": 3,
+                                             "privacy.mtv.chunks": 10, "privacy.mtv.selection": "private"})
+    config = load_config(raw)
+    folder = run(fake_grid(client_app, raw, 2), config)
+    truth = RunTruth.from_run_folder(folder.path)
+    members, non_members = truth.membership()
+    # The members are exactly the canaries the clients placed as demonstrations (not as targets).
+    canaries = {(s.image_id, s.question, s.answer) for s in truth.data.canary_members}
+    shown = [(s.image_id, s.question, s.answer) for partition in range(2)
+             for chunk in own_chunks(build_runtime(config, partition, tmp_path / f"audit-{partition}")) for s in chunk[:-1]]
+    assert sorted((s.image_id, s.question, s.answer) for s in members) == sorted(k for k in shown if k in canaries)
+    assert 0 < len(members) < len(truth.data.canary_members) and len(non_members) == 16
+    result = replay(folder.path, "mtv_mia", options={"progress": False}, aux_limit=8)
+    assert result.details["members"] == min(len(members), 16) and result.details["selected_heads"] > 0
+    assert 0 <= result.metrics["auc"] <= 1 and result.metrics["audit_epsilon"] >= 0
+    assert result.metrics["mean_lift_members"] != 0  # the vector moved the canaries' answers
