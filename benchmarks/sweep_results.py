@@ -5,6 +5,7 @@
     qpriv-sweep run sims/sweeps/defenses.toml && python benchmarks/sweep_results.py defenses
     qpriv-sweep run sims/sweeps/vision-edge.toml && python benchmarks/sweep_results.py vision-edge
     qpriv-sweep run sims/sweeps/federated-privacy.toml && python benchmarks/sweep_results.py federated-privacy
+    qpriv-sweep run sims/sweeps/dpmtv.toml && python benchmarks/sweep_results.py dpmtv
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (--sweep; default ~/qpriv-sweeps/<name>, else the sweep's archive in
@@ -27,7 +28,7 @@ from sims.sweep import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
-SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy")
+SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv")
 COMMAND = "python benchmarks/sweep_results.py"
 
 
@@ -67,6 +68,8 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
     elif name == "federated-privacy":
         table = R.federated_privacy_table(results)
         tables["federated_privacy"], tables["audit_violations"] = records(table), records(R.audit_violations(table))
+    elif name == "dpmtv":
+        tables["mtv"], tables["mtv_claims"] = records(R.mtv_table(results)), records(R.mtv_claims(results))
     else:
         tables["pruning"] = records(R.pruning_table(results))
         tables["attacks"] = records(R.attack_table(results))
@@ -170,6 +173,8 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
         lines += _edge_sections(tables)
     if "federated_privacy" in tables:
         lines += _federated_privacy_sections(tables)
+    if "mtv" in tables:
+        lines += _mtv_sections(tables)
     return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],
                           command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
 
@@ -235,6 +240,31 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
     lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
         " — " + ", ".join(f"{r['paradigm'].upper()} {r['policy']} {r['privacy_setting']}" for r in violations)
         if violations else " (as it must be).")]
+    return lines
+
+
+def _mtv_sections(tables: dict[str, Any]) -> list[str]:
+    """The task-vector runs: accuracy with the released vector and zero-shot at each setting and ε,
+    the gain kept, the bytes a client sent, the membership audit, and seed 003's claims."""
+    rows = tables["mtv"]
+    audited = any(r.get("audit_auc") is not None for r in rows)
+    lines = ["", "## Task vectors (DP-MTV)", "", "Each run released one task vector from the clients' private rows "
+             "and scored the same test questions with it and zero-shot. ε: the ledger's total (ε_tv, plus ε_sel under "
+             "private selection; — for non-private MTV). Gain kept: the share of the non-private vector's gain over "
+             "zero-shot at the same setting. Noise: who drew it (distributed: the clients, under SecAgg+). ε_tv ∞: "
+             "non-private MTV (JSON keeps no infinity, so the table's source holds null there).", "",
+             markdown_table(["dataset", "clients", "noise", "selection", "m", "K", "ε_tv", "ε", "test acc.", "zero-shot",
+                             "gain kept", "bytes up / client", *(("audit AUC", "audit ε bound") if audited else ())],
+                            [[r["dataset"], r["clients"], r["noise"] + (" + SecAgg+" if r["secagg"] else ""), r["selection"],
+                              r["chunks"], r["shots"], "∞" if r["epsilon_tv"] is None else _f(r["epsilon_tv"], "g"),
+                              _f(r["epsilon"], ".2g"),
+                              percent(r["test_accuracy"]), percent(r["zero_shot_accuracy"]), percent(r["gain_kept"]),
+                              _f(r["bytes_up_per_client"], ",.0f"),
+                              *((_f(r.get("audit_auc"), ".2f"), _f(r.get("audit_audit_epsilon"), ".2f")) if audited else ())]
+                             for r in rows])]
+    lines += ["", "## Seed 003's claims", "", markdown_table(
+        ["claim", "paper", "measured", "verdict", "rule / reason"],
+        [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in tables["mtv_claims"]])]
     return lines
 
 

@@ -233,10 +233,11 @@ def test_the_smoke_sweep_finishes_every_point_and_replays_every_attack_that_appl
     assert exit_code == 0
     loaded = R.load_results(sweep.folder)
     assert loaded.incomplete.empty and len(loaded.runs) == len(sweep.points)
-    assert set(loaded.finished()["paradigm"]) == {"cl", "fl", "sl", "usl"}
+    assert set(loaded.finished()["paradigm"]) == {"cl", "fl", "sl", "usl", "mtv"}
     attacks = loaded.attacks
     assert set(attacks[attacks["threat"] == "passive"]["attack"]) == {"fora", "sara", "sara_adaptive", "actinv", "idlg",
-                                                                      "mia"}
+                                                                      "mia", "mtv_mia"}
+    assert set(attacks[attacks["paradigm"] == "mtv"]["attack"]) == {"mtv_mia"}
     # The adaptive SARA refitted on the run's own edge (the ToMe point).
     edge_point = next(p for p in sweep.points if p.name == "vision-edge-usl-tome-4")
     adaptive = json.loads((edge_point.folder / "attacks" / "sara_adaptive.json").read_text())
@@ -341,10 +342,14 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
     assert "tome(r=4)" in json.dumps(edge.outputs)
     edge_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.edge_claims" in c.source)
     assert "token shuffling defeats a decoder" in json.dumps(edge_claims.outputs)
+    # Task vectors: the smoke sweep's two releases drawn against ε, seed 003's claims checked, the audit tabled.
+    mtv = next(c for c in notebook.cells if c.cell_type == "code" and "R.mtv_claims" in c.source)
+    assert any("image/png" in output.get("data", {}) for output in mtv.outputs)
+    assert "most of MTV's gain" in json.dumps(mtv.outputs) and "audit_auc" in json.dumps(mtv.outputs)
 
 
 def test_the_shipped_sweeps_validate(tmp_path):
-    for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "smoke"):
+    for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "smoke"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
