@@ -7,9 +7,9 @@ reply. An exception becomes Flower's error reply, whose reason the server report
 Flower's default train message is FL's round of local training or, under paradigm mtv, a
 client's task-vector share (clients.mtv): SecAgg+ runs on that message type only, and both reply
 with one vector and its weight. FL's handlers take and return the adapters as fp32 numpy arrays;
-`fl_wire_mod`, the outermost mod on them inside SecAgg+'s, decodes what arrived and encodes the reply, so the mods inside it
-(Flower's DP mods, which `fl_dp_mod` applies as privacy.dp.mode says) see the adapters as
-Flower's own mods expect them. Under SecAgg+ (privacy.secagg) Flower's `secaggplus_mod` is the
+`fl_wire_mod`, the outermost mod on them inside SecAgg+'s, decodes what arrived and encodes the
+reply, so the mods inside it (Flower's DP mods, which `fl_dp_mod` applies as privacy.dp.mode
+says) see the adapters as Flower's own mods expect them. Under SecAgg+ (privacy.secagg) Flower's `secaggplus_mod` is the
 outermost (`fl_secagg_mod`): the adapters leave as its masked vector, not through the wire.
 """
 

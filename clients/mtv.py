@@ -55,7 +55,7 @@ def share(rt: ClientRuntime) -> tuple[torch.Tensor, int]:
     total, _ = clipped_sum(activations, options)
     if options.noise == DISTRIBUTED and options.private:
         generator = rt.defenses.seed_for(rt.partition_id, 1, 0).generator("mtv-noise")
-        total = total + noise_share(options, total.shape[0], rt.config.clients.count, total.shape, generator)
+        total = total + noise_share(options, total.shape, rt.config.clients.count, generator)
     return total, len(chunks)
 
 

@@ -206,16 +206,10 @@ def sum_noise_std(options: DPMTVOptions, layers: int) -> float:
     return math.sqrt(layers) * options.clip * float(dp_accounting.get_sigma_gaussian(options.epsilon, options.delta))
 
 
-def noise_std(options: DPMTVOptions, layers: int) -> float:
-    """The Gaussian noise's std on the released mean of `options.chunks` chunks."""
-    return sum_noise_std(options, layers) / options.chunks
-
-
-def noise_share(options: DPMTVOptions, layers: int, clients: int, shape: Sequence[int],
-                generator: torch.Generator) -> torch.Tensor:
-    """Distributed noise: one of `clients` clients' draw, N(0, σ²/clients) with σ the sum's std, so
-    that the draws of all of them sum to the calibrated noise."""
-    return torch.randn(tuple(shape), generator=generator) * (sum_noise_std(options, layers) / math.sqrt(clients))
+def noise_share(options: DPMTVOptions, shape: Sequence[int], clients: int, generator: torch.Generator) -> torch.Tensor:
+    """Distributed noise on a sum of `shape` [layers, heads, head_dim]: one of `clients` clients'
+    draw, N(0, σ²/clients) with σ the sum's std, so that all their draws sum to the calibrated noise."""
+    return torch.randn(tuple(shape), generator=generator) * (sum_noise_std(options, shape[0]) / math.sqrt(clients))
 
 
 @dataclass

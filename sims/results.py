@@ -423,12 +423,14 @@ def mtv_table(results: Results) -> pd.DataFrame:
     # The gain kept: against the non-private vector of the same setting (everything but ε equal).
     setting = ["dataset", "clients", "selection", "noise", "secagg", "chunks", "shots", "canaries"]
     reference = table[np.isinf(table["epsilon_tv"].astype(float))].set_index(setting)["test_accuracy"]
+
     def kept(row: pd.Series) -> float | None:
         key = tuple(row[c] for c in setting)
         if key not in reference.index:
             return None
         gain = reference.loc[key] - row["zero_shot_accuracy"]
         return float((row["test_accuracy"] - row["zero_shot_accuracy"]) / gain) if gain > 0 else None
+
     table["gain_kept"] = table.apply(kept, axis=1)
     return table.sort_values(["dataset", "clients", "noise", "selection", "chunks", "shots", "canaries",
                               "epsilon_tv"]).reset_index(drop=True)

@@ -20,7 +20,6 @@ from privacy.dp_mtv import (
     clipped_sum,
     exponential_mechanism,
     noise_share,
-    noise_std,
     release_sum,
     release_task_vector,
     sum_noise_std,
@@ -70,7 +69,7 @@ def test_clipping_bounds_each_chunks_norm_at_each_layer_and_leaves_small_ones():
 def test_the_noise_has_the_scale_the_accountant_calibrates():
     options = DPMTVOptions(chunks=16, clip=2.0, epsilon=1.0, delta=1e-5)
     layers = 3
-    std = noise_std(options, layers)
+    std = sum_noise_std(options, layers) / options.chunks
     sigma = std / (math.sqrt(layers) * options.clip / options.chunks)
     # The release at this std spends exactly the options' budget by the analytic Gaussian mechanism.
     assert dp_accounting.get_epsilon_gaussian(sigma, options.delta) == pytest.approx(options.epsilon, rel=1e-6)
@@ -93,15 +92,14 @@ def test_clients_sums_add_up_to_the_central_clipped_mean_and_their_noise_shares_
     clipped, _ = clip_per_layer(activations, options.clip)
     torch.testing.assert_close(total / options.chunks, clipped.mean(0))
     # Three clients' shares of the noise sum to the std one aggregator would draw.
-    draws = torch.stack([noise_share(options, 3, 3, (20000,), torch.Generator().manual_seed(client)) for client in range(3)])
+    draws = torch.stack([noise_share(options, (3, 20000), 3, torch.Generator().manual_seed(client)) for client in range(3)])
     assert draws.sum(0).std().item() == pytest.approx(sum_noise_std(options, 3), rel=0.03)
-    assert sum_noise_std(options, 3) / options.chunks == pytest.approx(noise_std(options, 3))
     # All of it arrived: charged at ε; a third missing: charged at the larger ε two thirds of the variance give.
     for share, charged in ((1.0, lambda e: e == pytest.approx(1.0)), (2 / 3, lambda e: e > 1.0)):
         ledger = PrivacyLedger()
         values, std = release_sum(total, options.chunks, options, torch.Generator(), ledger, clients_noise_share=share)
         torch.testing.assert_close(values, total / options.chunks)  # the clients' noise is already in the sum
-        assert charged(ledger.epsilon) and std == pytest.approx(noise_std(options, 3) * math.sqrt(share))
+        assert charged(ledger.epsilon) and std == pytest.approx(sum_noise_std(options, 3) / options.chunks * math.sqrt(share))
 
 
 def test_non_private_mtv_is_the_plain_mean():
