@@ -280,7 +280,7 @@ LABELLED = """
 [attacks.actinv_masked]
 attack = "actinv"
 options = { iterations = 5, max_transfers = 1, refine_candidates = 0, mask_zeros = true }
-where = { "threat.model" = ["passive"] }
+where = { "threat.model" = ["passive"], paradigm = ["usl"] }
 """
 
 
@@ -288,7 +288,7 @@ def test_a_labelled_replay_lands_beside_the_plain_one_under_its_label(smoke, tmp
     sweep, _ = smoke
     labelled = tmp_path / "smoke.toml"
     labelled.write_text(SMOKE.read_text() + LABELLED)
-    passive = [p for p in sweep.points if p.config.threat.model == "passive"]
+    passive = [p for p in sweep.points if p.config.threat.model == "passive" and p.config.paradigm == "usl"]
     plain_before = {p.name: (p.folder / "attacks" / "actinv.json").stat().st_mtime_ns for p in passive}
     again = load_sweep(labelled, out=sweep.folder)
     assert set(run_sweep(again, progress=False).values()) == {"finished"}
