@@ -47,7 +47,7 @@ from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation
 from training import protocol
 from vlm.profiles import get_profile
 from vlm.task_vectors import profile_head_layout, reinforce_head_mask
-from wire import Wire
+from wire import Transfer, Wire
 
 class MTVStrategy(RoundStrategy):
     def __init__(
@@ -133,17 +133,24 @@ class MTVStrategy(RoundStrategy):
             down, up = result.traffic.get(node, (0, 0))
             self.wire.ledger.add(round_, node, "down", down)
             self.wire.ledger.add(round_, node, "up", up)
-        chunks = 0
         for node in nodes:
-            try:
-                if node not in result.metrics:
-                    why = f" ({'; '.join(result.failures)})" if result.failures else ""
-                    raise ClientFault(f"dropped out of the SecAgg+ round{why}; its masks were removed from the sum")
-                chunks += self._checked_count(node, result.metrics[node]["num-examples"])
-            except ClientFault as error:
-                self.record_fault(round_, node, "train", error, self._consequence("train"))
+            if node not in result.metrics:
+                why = f" ({'; '.join(result.failures)})" if result.failures else ""
+                self.record_fault(round_, node, "train", ClientFault(f"dropped out of the SecAgg+ round{why}; its "
+                                  "masks were removed from the sum"), self._consequence("train"))
         if result.average is None:
             raise RuntimeError(f"no task vector in round {round_}: {'; '.join(result.failures) or 'no share arrived'}")
+        chunks = 0
+        for node in sorted(result.metrics, key=lambda node: self.partitions[node]):
+            try:
+                chunks += self._checked_count(node, result.metrics[node]["num-examples"])
+            except ClientFault as error:
+                # Its share is in the secure sum, weighted by the count it claimed: no release from it.
+                raise RuntimeError(f"no task vector in round {round_}: client {node} {error}") from None
+            # What the server received of it: the masked vector.
+            masked = torch.from_numpy(result.masked[node][0]).float().reshape(self.layout.shape)
+            self.wire.show(Transfer(round_, node, protocol.TASK_VECTOR_SHARE.name, {protocol.SHARE: masked},
+                                    result.traffic[node][1]))
         (average,) = result.average
         return torch.from_numpy(average).float().reshape(self.layout.shape) * chunks, chunks, len(result.metrics)
 

@@ -11,6 +11,7 @@ import torch
 from flwr.app import Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
+from attacks.recording import Recording
 from attacks.replay import replay
 from attacks.truth import RunTruth
 from clients.app import app as client_app
@@ -78,14 +79,21 @@ def test_the_federated_release_is_the_central_mean_of_the_clients_chunks(run_con
 
 
 def test_secure_aggregation_gives_the_same_release_and_distributed_noise_is_the_clients(run_config, fake_grid):
-    plain_raw = mtv_config(run_config, "plain", clients=3)
-    secure_raw = mtv_config(run_config, "secure", clients=3, **{"privacy.secagg.enabled": True})
-    plain = released(run(fake_grid(client_app, plain_raw, 3), load_config(plain_raw)))
+    plain_raw = mtv_config(run_config, "plain", clients=3, **{"threat.model": "passive"})
+    secure_raw = mtv_config(run_config, "secure", clients=3, **{"privacy.secagg.enabled": True, "threat.model": "passive"})
+    plain_folder = run(fake_grid(client_app, plain_raw, 3), load_config(plain_raw))
     secure_folder = run(fake_grid(client_app, secure_raw, 3), load_config(secure_raw))
-    secure = released(secure_folder)
+    plain, secure = released(plain_folder), released(secure_folder)
     difference = (secure["values"] - plain["values"]).abs().max().item()
     assert 0 < difference < 1e-4  # quantised by SecAgg+, not bypassed
     assert record(secure_folder)["round_trips_train"] == 4
+    # A curious server recorded each client's sum in the clear, and under SecAgg+ only its masked vector.
+    sums, masked = (Recording.open(folder.path) for folder in (plain_folder, secure_folder))
+    kind = protocol.TASK_VECTOR_SHARE.name
+    (plain_sums, secure_sums) = ([r.tensors(entry)[protocol.SHARE] for entry in r.select(kind)] for r in (sums, masked))
+    assert len(plain_sums) == len(secure_sums) == 3
+    torch.testing.assert_close(sum(plain_sums) / 9, plain["values"], rtol=0, atol=1e-5)
+    assert all((s / 3 - m).abs().max() > 1.0 for s, m in zip(plain_sums, secure_sums, strict=True))
 
     distributed_raw = mtv_config(run_config, "distributed", clients=3, **{
         "privacy.secagg.enabled": True, "privacy.mtv.noise": "distributed", "privacy.mtv.epsilon": 2.0})
