@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from privacy import EDGE, LOSS, STAGES, OptionError, defense_class, defense_names, parse_defense_names
 from privacy.dp import MODES, SGD, DPOptions, Federation, noise_multiplier
-from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts
+from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts, sum_noise_std
 from privacy.secagg import SecAggOptions
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
@@ -496,6 +496,18 @@ def _validate_mtv(config: SimConfig) -> None:
     if options.noise == DISTRIBUTED and not config.privacy.secagg.enabled:
         raise ConfigError("privacy.mtv.noise", options.noise, "central, or distributed with privacy.secagg.enabled "
                           "(without secure aggregation the server sees each client's sum with a 1/√n share of the noise)")
+    if options.noise == DISTRIBUTED and options.private:
+        # SecAgg+ clips every value a client sends to ±clipping_range: its noise share must pass whole,
+        # or the sum carries less noise than the release is charged for.
+        layers = len(options.layer_indices or range(get_profile(config.model.profile).num_layers))
+        share_std = sum_noise_std(options, layers) / math.sqrt(config.clients.count) / min(
+            chunk_counts(options.chunks, config.clients.count))
+        needed = options.clip + 6 * share_std
+        if config.privacy.secagg.clipping_range < needed:
+            raise ConfigError("privacy.secagg.clipping_range", config.privacy.secagg.clipping_range,
+                              f">= {needed:.3g} under privacy.mtv.noise=distributed: a client's mean carries values up "
+                              f"to C={options.clip:g} and its noise share has std {share_std:.3g}, and SecAgg+ clips "
+                              "each value to the range (6 std: the share passes whole but for a 2e-9 chance per value)")
     if options.selection == PRIVATE and (options.noise == DISTRIBUTED or config.privacy.secagg.enabled):
         raise ConfigError("privacy.mtv.selection", options.selection, "public under privacy.secagg.enabled or "
                           "noise=distributed (private selection sends each client's candidate scores to the server)")

@@ -159,6 +159,9 @@ def test_a_share_claiming_more_chunks_than_its_partition_builds_is_refused(run_c
     ({"clients.count": 3, "data.train_limit": 60, "privacy.secagg.enabled": True, "privacy.mtv.selection": "private"},
      "privacy.mtv.selection", "public under privacy.secagg.enabled"),
     ({"privacy.mtv.layers": "1,9"}, "privacy.mtv.layers", "decoder layers"),
+    # Distributed noise at ε = 0.1 has a per-client share far wider than SecAgg+'s default ±8.
+    ({"clients.count": 3, "data.train_limit": 60, "privacy.secagg.enabled": True, "privacy.mtv.noise": "distributed",
+      "privacy.mtv.epsilon": 0.1}, "privacy.secagg.clipping_range", "its noise share has std"),
     ({"privacy.defenses": "noise"}, "privacy.defenses", "defenses a mtv client can apply"),
 ])
 def test_mtv_settings_that_cannot_run_are_refused_before_any_model_loads(run_config, overrides, key, allowed):
