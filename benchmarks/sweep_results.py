@@ -251,13 +251,14 @@ def _mtv_sections(tables: dict[str, Any]) -> list[str]:
     lines = ["", "## Task vectors (DP-MTV)", "", "Each run released one task vector from the clients' private rows "
              "and scored the same test questions with it and zero-shot. ε: the ledger's total (ε_tv, plus ε_sel under "
              "private selection; — for non-private MTV). Gain kept: the share of the non-private vector's gain over "
-             "zero-shot at the same setting. Noise: who drew it (distributed: the clients, under SecAgg+). ε_tv ∞: "
+             "zero-shot at the same setting. Noise: who drew it (distributed: the clients, under SecAgg+). Draw: "
+             "privacy.seed, which seeds the chunks, the noise and REINFORCE. ε_tv ∞: "
              "non-private MTV (JSON keeps no infinity, so the table's source holds null there).", "",
-             markdown_table(["dataset", "clients", "noise", "selection", "m", "K", "ε_tv", "ε", "test acc.", "zero-shot",
+             markdown_table(["dataset", "clients", "noise", "selection", "m", "K", "ε_tv", "draw", "ε", "test acc.", "zero-shot",
                              "gain kept", "bytes up / client", *(("audit AUC", "audit ε bound") if audited else ())],
                             [[r["dataset"], r["clients"], r["noise"] + (" + SecAgg+" if r["secagg"] else ""), r["selection"],
                               r["chunks"], r["shots"], "∞" if r["epsilon_tv"] is None else _f(r["epsilon_tv"], "g"),
-                              _f(r["epsilon"], ".2g"),
+                              r["seed"], _f(r["epsilon"], ".2g"),
                               percent(r["test_accuracy"]), percent(r["zero_shot_accuracy"]), percent(r["gain_kept"]),
                               _f(r["bytes_up_per_client"], ",.0f"),
                               *((_f(r.get("audit_auc"), ".2f"), _f(r.get("audit_audit_epsilon"), ".2f")) if audited else ())]
