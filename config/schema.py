@@ -24,6 +24,7 @@ from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts, sum
 from privacy.secagg import SecAggOptions
 from pruning import get_policy, get_pruning_profile, policy_names
 from vlm.profiles import get_profile, profile_names
+from vlm.task_vectors import profile_head_layout
 from vqa import dataset_names, get_adapter
 from wire import WIRE_DTYPES
 
@@ -468,10 +469,12 @@ def _validate_mtv(config: SimConfig) -> None:
         options.validate()
     except OptionError as error:
         raise ConfigError(f"privacy.mtv.{error.option}", error.value, error.allowed) from None
-    layers = get_profile(config.model.profile).num_layers
-    if any(layer >= layers for layer in options.layer_indices or ()):
+    try:
+        layout = profile_head_layout(get_profile(config.model.profile), options.layer_indices)
+    except ValueError:
+        layers = get_profile(config.model.profile).num_layers
         raise ConfigError("privacy.mtv.layers", options.layers, f"decoder layers in [0, {layers}) (model.profile="
-                          f"{config.model.profile} has {layers})")
+                          f"{config.model.profile} has {layers})") from None
     if config.paradigm != "mtv":
         return
     if config.train.rounds != 1:
@@ -499,8 +502,7 @@ def _validate_mtv(config: SimConfig) -> None:
     if options.noise == DISTRIBUTED and options.private:
         # SecAgg+ clips every value a client sends to ±clipping_range: its noise share must pass whole,
         # or the sum carries less noise than the release is charged for.
-        layers = len(options.layer_indices or range(get_profile(config.model.profile).num_layers))
-        share_std = sum_noise_std(options, layers) / math.sqrt(config.clients.count) / min(
+        share_std = sum_noise_std(options, len(layout.layers)) / math.sqrt(config.clients.count) / min(
             chunk_counts(options.chunks, config.clients.count))
         needed = options.clip + 6 * share_std
         if config.privacy.secagg.clipping_range < needed:
