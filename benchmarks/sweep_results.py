@@ -218,7 +218,7 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
 
 
 # The federated-privacy table's attack columns: (column, title, format).
-PRIVACY_COLUMNS = (("idlg_label_accuracy", "iDLG acc.", ".2f"), ("mia_attack_success", "MIA success", ".2f"),
+PRIVACY_COLUMNS = (("idlg_label_precision", "iDLG precision (FL)", ".2f"), ("idlg_label_accuracy", "iDLG acc. (CB)", ".2f"), ("mia_attack_success", "MIA success", ".2f"),
                    ("mia_auc", "MIA AUC", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
                    ("mia_loss_tpr_at_fpr_0.01", "loss TPR @ 1% FPR", ".2f"), ("mia_audit_epsilon", "audit ε (MIA)", ".2f"),
                    ("mia_loss_audit_epsilon", "audit ε (loss)", ".2f"), ("fora_psnr", "FORA dB", ".1f"))
@@ -231,7 +231,9 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
     shown = [(key, title, spec) for key, title, spec in PRIVACY_COLUMNS if any(r.get(key) is not None for r in rows)]
     lines = ["", "## Federated privacy", "", "Each run trained under its guarantee (privacy.dp, privacy.secagg) with "
              "canaries in its data (data.canaries); ε: the accountant's after the last round (DP-SGD: the worst "
-             "client's). Membership: on the canaries; audit ε: the canary audit's lower bound at 95%.", "",
+             "client's). iDLG precision (FL): the share of an update's batch's answer tokens among the tokens it "
+             "scores highest; iDLG acc. (CB): each sample's answer read from USL's gradient at CB. Membership: on the "
+             "canaries; audit ε: the canary audit's lower bound at 95%.", "",
              markdown_table(["paradigm", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
                             [[r["paradigm"].upper(), r["policy"], r["privacy_setting"], percent(r["test_accuracy"]),
                               _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown)]

@@ -55,9 +55,12 @@ STRENGTH: dict[str, dict[str | None, str]] = {
     "grad_topk": {None: "ratio"}, "pripert": {None: "sparsity", "l2": "budget"}, "nopeek": {None: "weight"},
     "tome": {None: "r"}, "drop": {None: "r"},
 }
-# Each attack's headline number (image attacks: PSNR in dB).
-HEADLINE = {"fora": "psnr", "fsha": "psnr", "sara": "psnr", "actinv": "token_recall", "idlg": "label_accuracy",
-            "mia": "attack_success", "mia_loss": "attack_success"}
+# Each attack's headline numbers (image attacks: PSNR in dB); a result reports those of its
+# observation: iDLG on USL's gradient at CB scores each sample's answer (label_accuracy), on an FL
+# update the answer tokens of the whole update's batch (label_precision).
+HEADLINE = {"fora": ("psnr",), "fsha": ("psnr",), "sara": ("psnr",), "actinv": ("token_recall",),
+            "idlg": ("label_accuracy", "label_precision"), "mia": ("attack_success",),
+            "mia_loss": ("attack_success",)}
 IMAGE_ATTACKS = ("fora", "fsha", "sara")
 PAPER_MIA_UNDEFENDED = 0.99
 PAPER_MIA_QPRIV = (0.76, 0.79)
@@ -317,9 +320,9 @@ def _headlines(group: pd.DataFrame, row: dict[str, Any]) -> dict[str, Any]:
     for _, result in group.iterrows():
         base = result.get("base_attack")
         base = result["attack"] if not isinstance(base, str) else base
-        metric = HEADLINE.get(base)
-        if metric and metric in result and pd.notna(result[metric]):
-            row[f"{result['attack']}_{metric}"] = result[metric]
+        for metric in HEADLINE.get(base, ()):
+            if metric in result and pd.notna(result[metric]):
+                row[f"{result['attack']}_{metric}"] = result[metric]
         if base in ("fora", "fsha") and pd.notna(result.get("mark_readback")):
             row[f"{result['attack']}_mark_readback"] = result["mark_readback"]
     return row
