@@ -218,8 +218,8 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
 
 
 # The federated-privacy table's attack columns: (column, title, format).
-PRIVACY_COLUMNS = (("idlg_label_precision", "iDLG precision (FL)", ".2f"), ("idlg_label_accuracy", "iDLG acc. (CB)", ".2f"), ("mia_attack_success", "MIA success", ".2f"),
-                   ("mia_auc", "MIA AUC", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
+PRIVACY_COLUMNS = (("idlg_label_precision", "iDLG precision (FL)", ".2f"), ("idlg_label_accuracy", "iDLG acc. (CB)", ".2f"),
+                   ("mia_attack_success", "MIA success", ".2f"), ("mia_auc", "MIA AUC", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
                    ("mia_loss_tpr_at_fpr_0.01", "loss TPR @ 1% FPR", ".2f"), ("mia_audit_epsilon", "audit ε (MIA)", ".2f"),
                    ("mia_loss_audit_epsilon", "audit ε (loss)", ".2f"), ("fora_psnr", "FORA dB", ".1f"))
 
