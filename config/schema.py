@@ -469,12 +469,12 @@ def _validate_mtv(config: SimConfig) -> None:
         options.validate()
     except OptionError as error:
         raise ConfigError(f"privacy.mtv.{error.option}", error.value, error.allowed) from None
+    profile = get_profile(config.model.profile)
     try:
-        layout = profile_head_layout(get_profile(config.model.profile), options.layer_indices)
+        layout = profile_head_layout(profile, options.layer_indices)
     except ValueError:
-        layers = get_profile(config.model.profile).num_layers
-        raise ConfigError("privacy.mtv.layers", options.layers, f"decoder layers in [0, {layers}) (model.profile="
-                          f"{config.model.profile} has {layers})") from None
+        raise ConfigError("privacy.mtv.layers", options.layers, f"decoder layers in [0, {profile.num_layers}) "
+                          f"(model.profile={config.model.profile} has {profile.num_layers})") from None
     if config.paradigm != "mtv":
         return
     if config.train.rounds != 1:

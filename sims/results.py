@@ -444,10 +444,7 @@ def mtv_table(results: Results) -> pd.DataFrame:
 def _mtv_draws(table: pd.DataFrame, **where: Any) -> pd.DataFrame:
     """The releases (every seed) of one setting: central by default, public selection, the sweep's m and K."""
     base = {"dataset": "easyvqa", "selection": "public", "noise": "central", "chunks": 64, "shots": 4, "canaries": 0}
-    chosen = table
-    for key, value in {**base, **where}.items():
-        chosen = chosen[chosen[key] == value]
-    return chosen
+    return _where(table, **{**base, **where})
 
 
 def mtv_claims(results: Results) -> pd.DataFrame:
@@ -600,12 +597,18 @@ def accuracy_interval(accuracy: pd.Series, count: pd.Series) -> pd.Series:
     return 1.96 * np.sqrt(accuracy * (1 - accuracy) / count)
 
 
-def _one(frame: pd.DataFrame, **where: Any) -> pd.Series | None:
+def _where(frame: pd.DataFrame, **where: Any) -> pd.DataFrame:
+    """The rows whose columns hold the given values (none where a column is missing)."""
     for key, value in where.items():
         if frame.empty or key not in frame:
-            return None
+            return frame.iloc[:0]
         frame = frame[frame[key] == value]
-    return None if frame.empty else frame.iloc[0]
+    return frame
+
+
+def _one(frame: pd.DataFrame, **where: Any) -> pd.Series | None:
+    chosen = _where(frame, **where)
+    return None if chosen.empty else chosen.iloc[0]
 
 
 def _verdict(holds: bool | None) -> str:
