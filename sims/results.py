@@ -503,16 +503,18 @@ def mtv_claims(results: Results) -> pd.DataFrame:
 
 def _same_release(federated: pd.DataFrame, central: pd.DataFrame) -> tuple[bool | None, str]:
     """Whether two settings' releases score alike: the means within two standard errors of their
-    difference, the spread of one draw taken from the central draws (the release noise decides much
-    of one draw's accuracy); with a single central draw, within its 95% test-sampling interval."""
+    difference, one draw's spread pooled within the two settings (the release noise decides much of
+    one draw's accuracy; pooling within each keeps a difference of means out of the spread); with a
+    single central draw, within its 95% test-sampling interval."""
     if federated.empty or central.empty:
         return None, "needs the federated and the central release at ε = 1"
     difference = abs(federated["test_accuracy"].mean() - central["test_accuracy"].mean())
     if len(central) > 1:
-        spread = pd.concat([federated, central])["test_accuracy"].std() if len(federated) > 1 else central["test_accuracy"].std()
+        squares = sum((len(d) - 1) * d["test_accuracy"].var() for d in (federated, central) if len(d) > 1)
+        spread = math.sqrt(squares / (len(federated) + len(central) - 2))
         error = spread * math.sqrt(1 / len(federated) + 1 / len(central))
         return bool(difference <= 2 * error), ("holds if the means differ by at most two standard errors, a draw's "
-                                               "spread measured over the draws")
+                                               "spread pooled within the two settings' draws")
     interval = float(accuracy_interval(central["test_accuracy"], central["test_count"]).iloc[0])
     return bool(difference <= interval), ("holds if within the central draw's 95% test interval (one draw of each: "
                                           "the release noise's own spread is not in it)")
