@@ -8,6 +8,7 @@ restarts from its database. The processes are sims.loopback's; the runs are the 
 (one step)."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -128,14 +129,13 @@ def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itse
     run = federation_run(federation, "fl_easyvqa", small_run(tmp_path, "killed"))
     node = federation.node_commands[1]
     port = runtime_port(federation, 1)
-    # Node 1 dies while a ClientApp of its trains (one it started after the run's partition
-    # queries, whose answers nodes.json records).
-    nodes_file, before, deadline = tmp_path / "killed" / "nodes.json", None, time.monotonic() + 240
+    # Node 1 dies while a ClientApp of its trains: one it started after nodes.json was written,
+    # which the run does once the partition queries' ClientApps have answered. Judged by start
+    # times, not by which ClientApps a poll saw first: under load one poll can miss the moment.
+    nodes_file, deadline = tmp_path / "killed" / "nodes.json", time.monotonic() + 240
     while time.monotonic() < deadline:
-        if nodes_file.exists():
-            before = clientapps(port) if before is None else before
-            if clientapps(port) - before:
-                break
+        if nodes_file.exists() and clientapps(port, started_after=nodes_file.stat().st_mtime):
+            break
         time.sleep(0.1)
     else:
         pytest.fail(f"node 1 started no ClientApp for round 1 within 240 s: {run.poll()}")
@@ -157,10 +157,24 @@ def test_fl_goes_on_without_a_node_killed_mid_round_and_the_node_rejoins_as_itse
     assert node_id in [n["node-id"] for n in federation.online_nodes()]
 
 
-def clientapps(port: str) -> set[int]:
-    """The ids of the ClientApp processes serving the SuperNode whose Runtime API is on `port`."""
+def clientapps(port: str, started_after: float) -> set[int]:
+    """The ids of the ClientApp processes serving the SuperNode whose Runtime API is on `port`
+    that started after `started_after` (seconds since the epoch)."""
     return {pid for pid, args in command_lines().items()
-            if "flwr-clientapp" in " ".join(args) and f"127.0.0.1:{port}" in " ".join(args)}
+            if "flwr-clientapp" in " ".join(args) and f"127.0.0.1:{port}" in " ".join(args)
+            and start_time(pid) > started_after}
+
+
+def start_time(pid: int) -> float:
+    """When process `pid` started, in seconds since the epoch (-inf if it has ended). /proc counts
+    it in clock ticks since boot (field 22 of stat); the boot's epoch time from this moment's two
+    clocks, which, unlike /proc/stat's btime, is not rounded to the second."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError):
+        return -math.inf
+    booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def node_workers(port: str) -> set[int]:
