@@ -593,9 +593,18 @@ def status_rows(sweep: Sweep) -> list[dict[str, Any]]:
             "attacks done": ",".join(a for a in applicable if attack_done(point, a)) or "-",
             "failed": ",".join(failed) or "-",
             "to run": ",".join(a for a in applicable if not attack_done(point, a) and a not in failed) or "-",
-            "reason": _reason(status if status.get("error") else record.get("run", {}))[:200],
+            "reason": (_reason(status if status.get("error") else record.get("run", {})) or _unprepared(point))[:200],
         })
     return rows
+
+
+def _unprepared(point: Point) -> str:
+    """Which of a point's artefacts are still to prepare: until then its config (and so its attacks
+    listed) is the one checked without them (_point_config)."""
+    flat = point.config.to_flat()
+    waiting = {"pruning.policy": "DTP's artefacts", EDGE_ARTIFACT: "its positionless edge"}
+    missing = [name for key, name in waiting.items() if key in point.overrides and flat.get(key) != point.overrides[key]]
+    return f"{' and '.join(missing)} not prepared yet: attacks listed as without them" if missing else ""
 
 
 def _reason(failure: Mapping[str, Any]) -> str:

@@ -374,6 +374,9 @@ label = ["positionless", "positionless-shuffle"]
 """), out=tmp_path / "out")
     edge = tmp_path / "out" / "positionless" / "k1"
     assert all(p.overrides["privacy.positionless.artifact"] == str(edge) for p in sweep.points)
+    # Until the edge exists the points are checked without it, and status says so.
+    assert {row["reason"] for row in status_rows(sweep)} == {
+        "its positionless edge not prepared yet: attacks listed as without them"}
     logged = []
     assert run_sweep(sweep, progress=False, log=logged.append) == {
         "edge-positionless": "finished", "edge-positionless-shuffle": "finished"}
@@ -382,6 +385,7 @@ label = ["positionless", "positionless-shuffle"]
         assert point.config.privacy.positionless.artifact == str(edge)
         described = json.loads((point.folder / "status.json").read_text())["defenses"]
         assert described[0] == {"name": "positionless", "stage": "edge", "options": {"artifact": str(edge)}}
+    assert {row["reason"] for row in status_rows(sweep)} == {""}
     assert "positionless.k1: steps 0" in refusal(tmp_path, """
 [positionless.k1]
 profile = "tiny"
