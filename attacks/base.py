@@ -13,6 +13,7 @@ Each attack module ends with `register_attack(TheAttack)`; the replay command an
 import json
 import math
 import os
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -123,6 +124,15 @@ class AttackOptionError(ValueError):
     """An attack option that is unknown or not allowed; the message names it, its value and what is allowed."""
 
 
+def _tuple_arity(annotation: Any) -> int | None:
+    """How many numbers a fixed-length tuple option takes (`tuple[float, float] | None`: 2); None
+    for an option that is not one."""
+    for kind in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(kind) is tuple and Ellipsis not in typing.get_args(kind):
+            return len(typing.get_args(kind))
+    return None
+
+
 def checked_options(attack: str, options_class: type, options: Mapping[str, Any]) -> Any:
     """The attack's Options from `options`, each of its default's kind. Every number an attack
     takes is a count, a rate, a weight or a seed: none is negative, infinite or nan."""
@@ -132,6 +142,15 @@ def checked_options(attack: str, options_class: type, options: Mapping[str, Any]
         raise AttackOptionError(f"{attack}: unknown option {unknown[0]!r}; allowed: {', '.join(declared)}")
     for name, value in options.items():
         default = declared[name].default
+        # A pair such as SARA's keep_ratios: JSON's list on the command line, a tuple in Python.
+        arity = _tuple_arity(declared[name].type)
+        if arity is not None:
+            if not (isinstance(value, (list, tuple)) and len(value) == arity and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                    for v in value)):
+                raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: a list of "
+                                        f"{arity} finite numbers >= 0, e.g. {list(default or (0.0,) * arity)}")
+            continue
         if isinstance(default, str) and not isinstance(value, str):
             raise AttackOptionError(f"{attack}: option {name}={value!r} is not allowed; allowed: a string like its "
                                     f"default {default!r}")

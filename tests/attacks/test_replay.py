@@ -120,9 +120,13 @@ def test_the_server_counts_each_sample_s_visual_rows_when_pruning_or_the_edge_re
     (["actinv", "-o", "progress=1"], "actinv: option progress=1 is not allowed; allowed: true or false"),
     (["actinv", "-o", "nearest=3"], "actinv: option nearest=3 is not allowed; allowed: a string like its default 'l2'"),
     (["sara", "-o", "tpp_epoch=3"], "sara: unknown option 'tpp_epoch'; allowed: keep_ratios, shuffle"),
+    (["sara", "-o", "keep_ratios=0.3,1.0"], "sara: option keep_ratios='0.3,1.0' is not allowed; allowed: a list of "
+                                            "2 finite numbers >= 0, e.g. [0.3, 1.0]"),
+    (["sara", "-o", "mae_mask_ratios=[0.1]"], "sara: option mae_mask_ratios=[0.1] is not allowed"),
     (["mia"], "no run folder at"),
     (["mia", "--here"], "neither a recording"),
-], ids=["negative", "fraction", "nan", "bool", "string", "unknown", "no-folder", "no-recording"])
+], ids=["negative", "fraction", "nan", "bool", "string", "unknown", "pair-as-text", "pair-too-short", "no-folder",
+        "no-recording"])
 def test_the_attack_cli_refuses_in_one_line_before_it_fits_anything(argv, says, tmp_path, capsys):
     folder = tmp_path if "--here" in argv else tmp_path / "absent"
     attack, *options = [a for a in argv if a != "--here"]
