@@ -193,16 +193,21 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
     best strength per operation, and seed 002's findings."""
     lines = ["", "## The vision edge", "", "Each run fine-tuned under its operation (test accuracy after fine-tuning). "
              "Cells: SSIM / PSNR dB / FSIM / then SARA's share of rows placed at their patch, or FORA's and FSHA's "
-             "stamped-digit read-back. Adaptive: refitted through the attacker's copy of the run's edge."]
+             "stamped-digit read-back. Adaptive: refitted through the attacker's copy of the run's edge. Mean image: "
+             "the SSIM / PSNR of the auxiliary images' mean, what an attacker scores for recovering nothing (on "
+             "easy-VQA's flat backgrounds its SSIM is above most reconstructions', so the findings below are judged "
+             "in PSNR above it)."]
     rows = tables["edge"]
     for paradigm, threat in dict.fromkeys((r["paradigm"], r["threat"]) for r in rows):
         chosen = [r for r in rows if (r["paradigm"], r["threat"]) == (paradigm, threat)]
         shown = [(label, title, metrics) for label, title, metrics in EDGE_COLUMNS
                  if any(r.get(f"{label}_ssim") is not None for r in chosen)]
         lines += ["", f"### {paradigm.upper()}, {threat} server", "", markdown_table(
-            ["profile", "policy", "defense", "test acc.", "kept tokens", *(title for _, title, _ in shown)],
+            ["profile", "policy", "defense", "test acc.", "kept tokens", "mean image",
+             *(title for _, title, _ in shown)],
             [[r["profile"], r["policy"], r["defense_setting"], percent(r["test_accuracy"]),
               _f(r.get("kept_tokens_mean"), ".1f"),
+              f"{_f(r.get('mean_image_ssim'), '.2f')} / {_f(r.get('mean_image_psnr'), '.1f')}",
               *(" / ".join(_f(r.get(f"{label}_{m}"), CELL[m]) for m in metrics) for label, _, metrics in shown)]
              for r in chosen])]
     if tables["best_puri"]:

@@ -525,8 +525,9 @@ IMAGE_METRICS = ("ssim", "psnr", "fsim", "mark_readback", "position_accuracy")
 
 
 def image_attack_table(results: Results) -> pd.DataFrame:
-    """Per paradigm, profile, policy, threat and defense setting: test accuracy, kept tokens and, per
-    image attack label, its SSIM, PSNR, FSIM, mark read-back and (SARA) position accuracy, as
+    """Per paradigm, profile, policy, threat and defense setting: test accuracy, kept tokens, the mean
+    auxiliary image's SSIM and PSNR against the victims (what an attacker gets for recovering nothing)
+    and, per image attack label, its SSIM, PSNR, FSIM, mark read-back and (SARA) position accuracy, as
     <label>_<metric>."""
     attacks = results.attacks
     if attacks.empty:
@@ -535,7 +536,9 @@ def image_attack_table(results: Results) -> pd.DataFrame:
     rows = []
     for values, group in attacks[attacks["base_attack"].isin(IMAGE_ATTACKS)].groupby(keys, dropna=False):
         row = {**dict(zip(keys, values, strict=True)), "test_accuracy": group["test_accuracy"].mean(),
-               "kept_tokens_mean": group["kept_tokens_mean"].mean()}
+               "kept_tokens_mean": group["kept_tokens_mean"].mean(),
+               **{f"mean_image_{m}": group[f"baseline_{m}"].mean() for m in ("ssim", "psnr")
+                  if f"baseline_{m}" in group}}
         for _, result in group.iterrows():
             row.update({f"{result['attack']}_{metric}": result[metric] for metric in IMAGE_METRICS
                         if metric in result and pd.notna(result[metric])})
@@ -785,24 +788,34 @@ def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# Seed 002's margins: a fall in SSIM that counts (a tenth of its range), the share of the lost
-# SSIM an attack must win back to "restore most of it", and placement that counts as near chance.
-SSIM_FALL = 0.1
+# Seed 002's margins. Reconstructions are judged by their PSNR above the mean auxiliary image's
+# (baseline_psnr): on easy-VQA's flat backgrounds the mean image's SSIM (0.74 on the stamped set)
+# is above nearly every reconstruction's, so SSIM cannot tell an image recovered from none, and the
+# paper's shuffled 0.25 on ImageNet is the level of recovering nothing. A gain of at most
+# NOTHING_DB is nothing recovered; RESTORED_SHARE of the best undefended gain is "most of it";
+# placement up to NEAR_CHANCE× chance is near chance.
+NOTHING_DB = 1.0
 RESTORED_SHARE = 0.5
 NEAR_CHANCE = 2.0
 EDGE_ATTACKS = ("sara", "sara_adaptive", "fora", "fora_adaptive")
 
 
-def _edge_ssim(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] = EDGE_ATTACKS
+def _gain(row: pd.Series, measured: str = "psnr") -> float:
+    """dB above the mean image: `measured` (psnr, or SARA's without_positions_psnr) over baseline_psnr."""
+    return float(row[measured] - row["baseline_psnr"])
+
+
+def _edge_best(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] = EDGE_ATTACKS
                ) -> tuple[float | None, str | None]:
-    """The highest SSIM any of `labels` reached on the run of `setting` and `policy` (the attacker
-    picks its best), and the label that reached it."""
+    """The largest gain over the mean image (dB) any of `labels` reached on the run of `setting` and
+    `policy` (the attacker picks its best), and the label that reached it."""
     chosen = attacks[(attacks["defense_setting"] == setting) & (attacks["policy"] == policy)
-                     & attacks["attack"].isin(labels)].dropna(subset=["ssim"])
+                     & attacks["attack"].isin(labels)].dropna(subset=["psnr", "baseline_psnr"])
     if chosen.empty:
         return None, None
-    best = chosen.loc[chosen["ssim"].idxmax()]
-    return float(best["ssim"]), str(best["attack"])
+    gains = chosen["psnr"] - chosen["baseline_psnr"]
+    best = gains.idxmax()
+    return float(gains[best]), str(chosen.loc[best, "attack"])
 
 
 def _sara_at(attacks: pd.DataFrame, setting: str, policy: str) -> pd.Series | None:
@@ -817,15 +830,20 @@ def _sara_at(attacks: pd.DataFrame, setting: str, policy: str) -> pd.Series | No
 def edge_claims(results: Results, paradigm: str = "usl", profile: str | None = None) -> pd.DataFrame:
     """Seed 002's findings about the vision edge, checked on `paradigm`'s runs of the sweep of edge
     defenses (its positionless edges labelled k1, k2, k2-adv as in sims/sweeps/vision-edge.toml), on
-    `profile` (default: the one most edge-defended runs used). The image attacker's SSIM is the best of
-    SARA and FORA, plain or adaptive, on each run."""
+    `profile` (default: the one most edge-defended runs used). An image attacker's success is its
+    PSNR above the mean image's (dB), the best of SARA and FORA, plain or adaptive, on each run."""
     rows: list[dict[str, str]] = []
 
     def add(claim: str, paper: str, measured: str, holds: bool | None, reason: str) -> None:
         rows.append({"claim": claim, "paper": paper, "measured": measured, "verdict": _verdict(holds), "reason": reason})
 
-    def fmt(value: float | None, spec: str = ".2f") -> str:
+    def fmt(value: float | None, spec: str = "+.1f") -> str:
         return "—" if value is None or pd.isna(value) else format(value, spec)
+
+    def placed(sara: pd.Series | None) -> str:
+        if sara is None or pd.isna(sara.get("position_accuracy")):
+            return "—"
+        return f"{100 * sara['position_accuracy']:.1f}% of rows (chance {100 * sara['chance_position_accuracy']:.1f}%)"
 
     attacks = results.attacks
     # The registered defenses that act inside the vision tower (privacy.edge).
@@ -836,65 +854,66 @@ def edge_claims(results: Results, paradigm: str = "usl", profile: str | None = N
         if profile is None and not defended.empty:
             profile = str(defended["profile"].mode().iloc[0])
         attacks = attacks[attacks["sweep"].isin(set(defended["sweep"])) & (attacks["profile"] == profile)]
-    if attacks.empty or "ssim" not in attacks:
+    if attacks.empty or "baseline_psnr" not in attacks:
         add("vision-edge claims (seed 002)", "—", "—", None, f"no {paradigm} vision-edge runs with image attacks")
         return pd.DataFrame(rows)
 
-    fora_none, fora_shuffled = (_edge_ssim(attacks, s, "off", ("fora",))[0] for s in (NO_DEFENSE, "shuffle"))
+    fora_none, fora_shuffled = (_edge_best(attacks, s, "off", ("fora",))[0] for s in (NO_DEFENSE, "shuffle"))
     add("token shuffling defeats a decoder that reads the rows in arrival order", "SSIM 0.70 → 0.25",
-        f"FORA SSIM {fmt(fora_none)} → {fmt(fora_shuffled)}",
-        None if fora_none is None or fora_shuffled is None else bool(fora_shuffled <= fora_none - SSIM_FALL),
-        f"holds if FORA's SSIM falls by at least {SSIM_FALL:g} on the shuffled run")
-    sara_none, sara_shuffled = _sara_at(attacks, NO_DEFENSE, "off"), _sara_at(attacks, "shuffle", "off")
-    if sara_none is None or sara_shuffled is None or pd.isna(sara_shuffled.get("without_positions_ssim")):
+        f"FORA {fmt(fora_none)} → {fmt(fora_shuffled)} dB over the mean image",
+        None if fora_none is None or fora_shuffled is None
+        else bool(fora_none > NOTHING_DB >= fora_shuffled),
+        f"holds if FORA recovers more than {NOTHING_DB:g} dB over the mean image undefended and at most that "
+        "on the shuffled run")
+    best_none, by_none = _edge_best(attacks, NO_DEFENSE, "off")
+    sara_shuffled = _sara_at(attacks, "shuffle", "off")
+    if best_none is None or sara_shuffled is None or pd.isna(sara_shuffled.get("without_positions_psnr")):
         add("SARA restores most of it: shuffling is only apparent privacy", "most of the SSIM back", "—", None,
-            "needs SARA on the undefended and the shuffled run")
+            "needs an image attack on the undefended run and SARA on the shuffled one")
     else:
-        lost = float(sara_none["ssim"] - sara_shuffled["without_positions_ssim"])
-        won = float(sara_shuffled["ssim"] - sara_shuffled["without_positions_ssim"])
+        won, arrival = _gain(sara_shuffled), _gain(sara_shuffled, "without_positions_psnr")
         add("SARA restores most of it: shuffling is only apparent privacy", "most of the SSIM back",
-            f"SSIM {fmt(sara_shuffled['ssim'])} placed vs {fmt(sara_shuffled['without_positions_ssim'])} in arrival "
-            f"order ({fmt(sara_none['ssim'])} undefended); {fmt(100 * sara_shuffled['position_accuracy'], '.1f')}% "
-            f"of rows placed (chance {fmt(100 * sara_shuffled['chance_position_accuracy'], '.1f')}%)",
-            bool(lost > 0 and won >= RESTORED_SHARE * lost),
-            f"holds if placing the rows wins back at least {RESTORED_SHARE:.0%} of the SSIM that arrival order loses")
-    best_none, _ = _edge_ssim(attacks, NO_DEFENSE, "off")
+            f"SARA {fmt(won)} dB over the mean image with its rows placed, {fmt(arrival)} dB in arrival order "
+            f"({by_none} {fmt(best_none)} dB undefended); SARA places {placed(sara_shuffled)}",
+            bool(best_none > NOTHING_DB and won > arrival and won >= RESTORED_SHARE * best_none),
+            f"holds if placing the rows beats arrival order and recovers at least {RESTORED_SHARE:.0%} of the "
+            "best undefended attacker's gain over the mean image")
     for label in ("k1", "k2"):
         setting = f"positionless(artifact={label})+shuffle"
-        best, by = _edge_ssim(attacks, setting, "off")
+        best, by = _edge_best(attacks, setting, "off")
         sara = _sara_at(attacks, setting, "off")
-        placed = None if sara is None else sara.get("position_accuracy")
-        chance = None if sara is None else sara.get("chance_position_accuracy")
-        add(f"the positionless edge ({label}) with shuffling keeps SSIM low", "SSIM < 0.4 at every cut (0.70 undefended)",
-            f"best SSIM {fmt(best)} ({by or '—'}; {fmt(best_none)} undefended); SARA places "
-            f"{fmt(None if placed is None else 100 * placed, '.1f')}% (chance {fmt(None if chance is None else 100 * chance, '.1f')}%)",
-            None if best is None or best_none is None or placed is None or pd.isna(placed)
-            else bool(best <= best_none - SSIM_FALL and placed <= NEAR_CHANCE * chance),
-            f"holds if the best attacker's SSIM is at least {SSIM_FALL:g} below the undefended run's and SARA "
-            f"places at most {NEAR_CHANCE:g}× chance")
-    plain, _ = _edge_ssim(attacks, "positionless(artifact=k2)+shuffle", "off")
-    adversarial, _ = _edge_ssim(attacks, "positionless(artifact=k2-adv)+shuffle", "off")
+        add(f"the positionless edge ({label}) with shuffling keeps reconstruction low",
+            "SSIM < 0.4 at every cut (0.70 undefended)",
+            f"best {fmt(best)} dB over the mean image ({by or '—'}; {fmt(best_none)} undefended); "
+            f"SARA places {placed(sara)}",
+            None if best is None or best_none is None or sara is None or pd.isna(sara.get("position_accuracy"))
+            else bool(best <= NOTHING_DB
+                      and sara["position_accuracy"] <= NEAR_CHANCE * sara["chance_position_accuracy"]),
+            f"holds if no attacker recovers more than {NOTHING_DB:g} dB over the mean image and SARA places at "
+            f"most {NEAR_CHANCE:g}× chance")
+    plain, _ = _edge_best(attacks, "positionless(artifact=k2)+shuffle", "off")
+    adversarial, _ = _edge_best(attacks, "positionless(artifact=k2-adv)+shuffle", "off")
     accuracy = {label: _one(attacks, defense_setting=f"positionless(artifact={label})+shuffle", policy="off")
                 for label in ("k2", "k2-adv")}
     acc = {label: None if row is None else row["test_accuracy"] for label, row in accuracy.items()}
-    add("the adversarial positionless edge lowers SSIM further, at some accuracy cost",
+    add("the adversarial positionless edge lowers reconstruction further, at some accuracy cost",
         "SSIM 0.370 → 0.290, accuracy 78.3% → 71.9% (ViT-B)",
-        f"SSIM {fmt(plain)} → {fmt(adversarial)}, accuracy {fmt(None if acc['k2'] is None else 100 * acc['k2'], '.1f')}% → "
+        f"best {fmt(plain)} → {fmt(adversarial)} dB over the mean image, accuracy "
+        f"{fmt(None if acc['k2'] is None else 100 * acc['k2'], '.1f')}% → "
         f"{fmt(None if acc['k2-adv'] is None else 100 * acc['k2-adv'], '.1f')}%",
         None if plain is None or adversarial is None else bool(adversarial < plain),
-        "holds if the best attacker's SSIM is lower against the adversarial edge (k = 2, both shuffled); the "
+        "holds if the best attacker's gain is lower against the adversarial edge (k = 2, both shuffled); the "
         "accuracy cost is reported, not ruled on")
     dtp_none, dtp_edge = _sara_at(attacks, NO_DEFENSE, "dtp"), _sara_at(attacks, "positionless(artifact=k2)", "dtp")
     add("(no paper) SARA against QPriv-VL's pruned set: the positionless edge hides which patches DTP kept",
         "—",
         "—" if dtp_none is None or dtp_edge is None else
-        f"SARA places {fmt(100 * dtp_none['position_accuracy'], '.1f')}% → {fmt(100 * dtp_edge['position_accuracy'], '.1f')}%, "
-        f"SSIM {fmt(dtp_none['ssim'])} → {fmt(dtp_edge['ssim'])}",
-        None if dtp_none is None or dtp_edge is None or pd.isna(dtp_none.get("position_accuracy"))
-        else bool(dtp_edge["position_accuracy"] <= NEAR_CHANCE * dtp_edge["chance_position_accuracy"]
-                  and dtp_edge["ssim"] <= dtp_none["ssim"] - SSIM_FALL),
+        f"SARA places {placed(dtp_none)} → {placed(dtp_edge)}; SARA {fmt(_gain(dtp_none))} → "
+        f"{fmt(_gain(dtp_edge))} dB over the mean image",
+        None if dtp_none is None or dtp_edge is None or pd.isna(dtp_edge.get("position_accuracy"))
+        else bool(dtp_edge["position_accuracy"] <= NEAR_CHANCE * dtp_edge["chance_position_accuracy"]),
         f"holds if SARA places at most {NEAR_CHANCE:g}× chance of DTP's rows through the positionless edge (k = 2, "
-        f"unshuffled: DTP's rows arrive in patch order, which patches is what is hidden) and its SSIM falls by {SSIM_FALL:g}")
+        "unshuffled: DTP's rows arrive in patch order, and which patches they are is what is hidden)")
     return pd.DataFrame(rows)
 
 
