@@ -52,7 +52,7 @@ def test_the_paper_s_findings_hold_when_the_numbers_say_so():
 
 @pytest.mark.parametrize("numbers, claim", [
     # SARA places the shuffled rows but recovers little over the mean image: shuffling is not shown to be
-    # apparent privacy (the sweep's SARA before its decoder could read the rows it placed).
+    # apparent privacy (a SARA whose decoder cannot read the rows it places).
     ({"sara_placed_shuffled": 0.8, "sara_db_shuffled": 0.1, "positionless_db": 0.3}, "SARA restores most of it"),
     # The positionless edge leaves the attacker as good as on the undefended run.
     ({"sara_placed_shuffled": 0.8, "sara_db_shuffled": 3.0, "positionless_db": 3.5},
