@@ -21,7 +21,9 @@ random share of their rows zeroed and the decoder inverts full grids, each indep
 of the stages before it. `stage_inputs="chained"` trains each later stage on the previous
 stage's real outputs instead (the MAE on the TPP's placement of recomputed pruned rows,
 misplaced and dropped rows included; the decoder on the MAE's output), which is what it
-meets in an attack.
+meets in an attack. The MAE's output replaces every slot, as the paper's restores the full
+grid; `mae_fills="empty"` keeps the rows the TPP placed and restores only the empty slots,
+so that the decoder reads the rows an attack observed rather than the MAE's smoothed copy.
 
 Structure and budgets are the paper's (Table 1): the TPP is Linear D→D/2, two Transformer
 encoder layers, Linear→N (ViT-B: 768→384); the MAE four encoder layers at the row width D
@@ -61,6 +63,7 @@ from attacks.recording import Recording
 from vqa import VQASample
 
 STAGE_INPUTS = ("paper", "chained")
+MAE_FILLS = ("all", "empty")
 
 
 @dataclass
@@ -80,6 +83,9 @@ class SARAOptions:
     # does not give it). None: what a simulated send leaves out (1 - keep_ratios); a
     # shuffle-only attacker still needs some, for positions the TPP's collisions leave empty.
     mae_mask_ratios: tuple[float, float] | None = None
+    # Which slots of a placed grid the MAE's output replaces: "all" (the paper's MAE restores the
+    # full grid) or only the "empty" ones, the rows the TPP placed kept as they arrived.
+    mae_fills: str = "all"
     decoder_epochs: int = 20
     decoder_lr: float = 1e-3
     # The first transposed convolution's channels (the paper's 256 after ViT-B's 768).
@@ -104,6 +110,8 @@ class SARAOptions:
             raise ValueError(f"mae_mask_ratios={self.mae_mask_ratios} must satisfy 0 <= low <= high < 1 (or None)")
         if self.stage_inputs not in STAGE_INPUTS:
             raise ValueError(f"stage_inputs={self.stage_inputs!r}; allowed: {', '.join(STAGE_INPUTS)}")
+        if self.mae_fills not in MAE_FILLS:
+            raise ValueError(f"mae_fills={self.mae_fills!r}; allowed: {', '.join(MAE_FILLS)}")
         for name in ("variants_per_image", "batch_size", "mae_layers", "decoder_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
@@ -159,7 +167,8 @@ class SARA(AdaptiveAttack):
             self._train(self.mae, lambda b: F.mse_loss(self.mae(placed[b]), full[source[b]]),
                         len(sent_rows), o.mae_epochs, o.mae_lr)
             with torch.no_grad():
-                decoder_inputs = torch.cat([self.mae(placed[i : i + 256]) for i in range(0, len(sent_rows), 256)])
+                decoder_inputs = torch.cat([self.restore_grid(placed[i : i + 256])
+                                            for i in range(0, len(sent_rows), 256)])
             decoder_source = source
         else:
             # The paper's MAE: full grids with the rows of a random share of positions zeroed,
@@ -226,7 +235,15 @@ class SARA(AdaptiveAttack):
         """The MAE's restoration of each grid with empty positions; a full grid passes as it is
         (the paper bypasses the MAE then)."""
         full = torch.tensor([int((s >= 0).sum()) == self.knowledge.num_patches for s in slots])
-        return torch.where(full[:, None, None], grid, self.mae(grid))
+        return torch.where(full[:, None, None], grid, self.restore_grid(grid))
+
+    def restore_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """The MAE's restoration of placed grids [B, N, D] (zero rows: slots nothing was placed in),
+        in the slots `mae_fills` names."""
+        restored = self.mae(grid)
+        if self.options.mae_fills == "empty":
+            restored = torch.where(grid.abs().sum(-1, keepdim=True) > 0, grid, restored)
+        return restored
 
     @torch.no_grad()
     def reconstruct_without_positions(self, observed: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -59,6 +59,22 @@ def test_sara_cannot_place_rows_that_carry_no_position(knowledge, victims, aux):
     assert metrics["position_accuracy"] < 2 * metrics["chance_position_accuracy"]
 
 
+@pytest.mark.parametrize("fills", ["all", "empty"])
+def test_the_mae_restores_the_slots_its_option_names(knowledge, aux, fills):
+    """mae_fills="empty" keeps every placed row as it arrived and takes the MAE's rows only where
+    nothing was placed; "all" (the paper) takes the MAE's rows everywhere."""
+    untrained = {"tpp_epochs": 0, "mae_epochs": 0, "decoder_epochs": 0}
+    attack = build_attack("sara", knowledge, **{**FAST, **untrained, "mae_fills": fills}).fit(aux[:4])
+    grid = torch.randn(2, knowledge.num_patches, knowledge.hidden_size)
+    empty = torch.zeros(knowledge.num_patches, dtype=torch.bool)
+    empty[::3] = True
+    grid[:, empty] = 0
+    with torch.no_grad():
+        restored, mae = attack.restore_grid(grid), attack.mae(grid)
+    assert torch.equal(restored[:, empty], mae[:, empty])
+    assert torch.equal(restored[:, ~empty], grid[:, ~empty] if fills == "empty" else mae[:, ~empty])
+
+
 def test_bad_options_are_refused_before_any_training(knowledge):
     with pytest.raises(ValueError, match="stage_inputs='stacked'; allowed: paper, chained"):
         build_attack("sara", knowledge, stage_inputs="stacked")
@@ -66,6 +82,8 @@ def test_bad_options_are_refused_before_any_training(knowledge):
         build_attack("sara", knowledge, keep_ratios=(0.8, 0.2))
     with pytest.raises(ValueError, match=r"mae_mask_ratios=\(0.2, 1.0\) must satisfy"):
         build_attack("sara", knowledge, mae_mask_ratios=(0.2, 1.0))
+    with pytest.raises(ValueError, match="mae_fills='some'; allowed: all, empty"):
+        build_attack("sara", knowledge, mae_fills="some")
     with pytest.raises(ValueError, match="tpp_width=0 must be at least 1"):
         build_attack("sara", knowledge, tpp_width=0)
 
