@@ -63,6 +63,7 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
         tables["edge"] = records(R.image_attack_table(results))
         puri = R.puri_table(results)
         tables["puri"], tables["best_puri"] = records(puri), records(R.best_by_puri(puri))
+        tables["seed_spread"] = records(R.seed_spread(results))
         tables["edge_claims"] = {p: records(R.edge_claims(results, p))
                                  for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     elif name == "federated-privacy":
@@ -215,6 +216,15 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
             ["paradigm", "profile", "policy", "attack", "operation", "best setting", "test acc.", "SSIM", "PURI"],
             [[r["paradigm"].upper(), r["profile"], r["policy"], r["attack"], r["defense_series"], r["defense_setting"],
               percent(r["test_accuracy"]), _f(r["ssim"], ".2f"), _f(r["puri"], ".3f")] for r in tables["best_puri"]])]
+    if tables.get("seed_spread"):
+        lines += ["", "### Run-to-run spread", "", "The test accuracy of one setting at other LoRA initialisations "
+                  "(model.seed; the same data, partition and test questions): differences between settings within "
+                  "this range are not differences the sweep can tell apart.", "", markdown_table(
+            ["paradigm", "profile", "policy", "defense", "seeds", "test acc. per seed", "mean ± sd", "range"],
+            [[r["paradigm"].upper(), r["profile"], r["policy"], r["defense_setting"],
+              ", ".join(str(s) for s in r["seeds"]), " / ".join(percent(a) for a in r["accuracies"]),
+              f"{percent(r['mean'])} ± {100 * r['std']:.1f} pt", f"{percent(r['min'])}–{percent(r['max'])}"]
+             for r in tables["seed_spread"]])]
     for paradigm, claims in tables["edge_claims"].items():
         lines += ["", f"## Seed 002's findings, {paradigm.upper()}", "", markdown_table(
             ["claim", "paper", "measured", "verdict", "rule / reason"],

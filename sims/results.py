@@ -594,6 +594,32 @@ def best_by_puri(table: pd.DataFrame) -> pd.DataFrame:
     return table.loc[table.groupby(keys)["puri"].idxmax()].sort_values(keys).reset_index(drop=True)
 
 
+# Servers that only watch: their runs train as unrecorded ones do, so they count as seeds of one setting.
+WATCHING_THREATS = ("none", "passive")
+SEED_KEYS = ["sweep", "paradigm", "profile", "policy", "defense_setting"]
+
+
+def seed_spread(results: Results) -> pd.DataFrame:
+    """Per sweep, paradigm, profile, policy and defense setting run at more than one LoRA seed
+    (model.seed) by a watching server: the test accuracy at each seed, their mean, sample standard
+    deviation and range, the run-to-run spread that differences between settings are read against."""
+    if results.runs.empty or "test_accuracy" not in results.runs:
+        return pd.DataFrame()
+    runs = results.finished()
+    runs = runs[runs["threat"].isin(WATCHING_THREATS) & runs["test_accuracy"].notna()]
+    runs = runs.assign(seed=runs["config"].map(lambda config: int(config.get("model.seed", 0))))
+    rows = []
+    for values, group in runs.groupby(SEED_KEYS):
+        if group["seed"].nunique() < 2:
+            continue
+        group = group.sort_values("seed")
+        accuracy = group["test_accuracy"]
+        rows.append({**dict(zip(SEED_KEYS, values, strict=True)), "seeds": group["seed"].tolist(),
+                     "accuracies": accuracy.tolist(), "mean": accuracy.mean(), "std": accuracy.std(),
+                     "min": accuracy.min(), "max": accuracy.max()})
+    return pd.DataFrame(rows)
+
+
 # --- the papers' claims ------------------------------------------------------------------------
 
 
