@@ -43,7 +43,7 @@ from sims.archive import MARKER as ARCHIVE_MARKER
 SETTINGS = {
     "paradigm": "paradigm", "profile": "model.profile", "dataset": "data.dataset", "policy_name": "pruning.policy",
     "ratio": "pruning.ratio", "threat": "threat.model", "clients": "clients.count", "rounds_planned": "train.rounds",
-    "steps_per_round": "train.steps_per_round", "batch_size": "train.batch_size",
+    "steps_per_round": "train.steps_per_round", "batch_size": "train.batch_size", "model_seed": "model.seed",
 }
 # The config key naming a run's defenses at the cut, in order ("noise,pripert"; "" or "none": none);
 # each one's options are the keys under privacy.<name>.
@@ -607,14 +607,13 @@ def seed_spread(results: Results) -> pd.DataFrame:
         return pd.DataFrame()
     runs = results.finished()
     runs = runs[runs["threat"].isin(WATCHING_THREATS) & runs["test_accuracy"].notna()]
-    runs = runs.assign(seed=runs["config"].map(lambda config: int(config.get("model.seed", 0))))
     rows = []
     for values, group in runs.groupby(SEED_KEYS):
-        if group["seed"].nunique() < 2:
+        if group["model_seed"].nunique() < 2:
             continue
-        group = group.sort_values("seed")
+        group = group.sort_values("model_seed")
         accuracy = group["test_accuracy"]
-        rows.append({**dict(zip(SEED_KEYS, values, strict=True)), "seeds": group["seed"].tolist(),
+        rows.append({**dict(zip(SEED_KEYS, values, strict=True)), "seeds": [int(s) for s in group["model_seed"]],
                      "accuracies": accuracy.tolist(), "mean": accuracy.mean(), "std": accuracy.std(),
                      "min": accuracy.min(), "max": accuracy.max()})
     return pd.DataFrame(rows)

@@ -6,11 +6,10 @@ import pytest
 from sims import results as R
 
 
-def run(name: str, accuracy: float, seed: int | None, threat: str = "passive", setting: str = "none") -> dict:
-    config = {} if seed is None else {"model.seed": seed}
+def run(name: str, accuracy: float, seed: int, threat: str = "passive", setting: str = "none") -> dict:
     return {"run": name, "sweep": "vision-edge", "paradigm": "usl", "profile": "mini-positional", "policy": "off",
             "defense_setting": setting, "threat": threat, "state": "finished", "test_accuracy": accuracy,
-            "config": config}
+            "model_seed": seed}
 
 
 def spread(rows: list[dict]) -> pd.DataFrame:
@@ -18,11 +17,11 @@ def spread(rows: list[dict]) -> pd.DataFrame:
 
 
 def test_a_setting_run_at_several_seeds_by_watching_servers_reports_each_accuracy_and_their_spread():
-    table = spread([run("none", 0.63, None), run("seed-2", 0.55, 2, threat="none"), run("seed-1", 0.59, 1, threat="none"),
+    table = spread([run("none", 0.63, 0), run("seed-2", 0.55, 2, threat="none"), run("seed-1", 0.59, 1, threat="none"),
                     # A hijacking server trains the client otherwise: not a seed of the watched setting.
                     run("fsha-none", 0.20, 3, threat="active-fsha"),
                     # A setting at one seed has no spread to report.
-                    run("shuffle", 0.60, None, setting="shuffle")])
+                    run("shuffle", 0.60, 0, setting="shuffle")])
     assert len(table) == 1
     row = table.iloc[0]
     assert row["defense_setting"] == "none" and row["seeds"] == [0, 1, 2]
@@ -32,5 +31,5 @@ def test_a_setting_run_at_several_seeds_by_watching_servers_reports_each_accurac
 
 
 def test_no_setting_at_several_seeds_gives_an_empty_table():
-    assert spread([run("none", 0.63, None), run("shuffle", 0.60, None, setting="shuffle")]).empty
+    assert spread([run("none", 0.63, 0), run("shuffle", 0.60, 0, setting="shuffle")]).empty
     assert spread([]).empty
