@@ -325,10 +325,11 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
                        resources={"metadata": {"path": str(REPOSITORY)}}).execute()
     finally:
         del os.environ["QPRIV_RESULTS"]
-    figures = [cell for cell in notebook.cells if cell.cell_type == "code" and "show(figure)" in cell.source.splitlines()]
-    assert len(figures) >= 7
-    for cell in figures:
-        assert any("image/png" in output.get("data", {}) for output in cell.outputs), cell.source[:80]
+    # A figure cell whose sweep is not loaded prints what is missing instead; the smoke sweep feeds at least seven.
+    figures = [cell for cell in notebook.cells if cell.cell_type == "code"
+               and "show(figure)" in (line.strip() for line in cell.source.splitlines())]
+    drawn = [cell for cell in figures if any("image/png" in output.get("data", {}) for output in cell.outputs)]
+    assert len(drawn) >= 7, [cell.source[:80] for cell in figures if cell not in drawn]
     claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.claims" in c.source)
     assert "holds" in json.dumps(claims.outputs)
     # The smoke sweep's defended runs: the frontier is drawn, the defense claims are checked.
