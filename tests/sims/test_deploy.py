@@ -189,7 +189,10 @@ def node_workers(port: str) -> set[int]:
 
 def test_a_run_resumes_after_the_superlink_restarts_from_its_database(federation, tmp_path, stop_processes_naming):
     deployment = federation.deployment
-    config = small_run(tmp_path, "restarted", **{"train.rounds": 2, "faults.timeout_s": 60.0})
+    # The resumed run's first messages cold-start new warm workers while the first run's may still finish the
+    # round it was killed in: on a loaded machine that outlasts a minute, so no message is judged hung
+    # before a worker could have started (clients.worker.START_TIMEOUT_S).
+    config = small_run(tmp_path, "restarted", **{"train.rounds": 2, "faults.timeout_s": 300.0})
     first = federation_run(federation, "fl_easyvqa", config)
     metrics, deadline = tmp_path / "restarted" / "metrics.jsonl", time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
