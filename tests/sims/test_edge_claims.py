@@ -64,6 +64,16 @@ def test_a_finding_the_numbers_contradict_does_not_hold(numbers, claim):
     assert chosen == ["does not hold"], verdicts
 
 
+def test_sara_restoring_the_shuffled_rows_is_judged_on_its_better_fit_plain_or_adaptive():
+    rows = attack_rows(sara_placed_shuffled=0.8, sara_db_shuffled=0.1, positionless_db=0.3)
+    plain = {**next(r for r in rows if r["run"] == "shuffle-off" and r["attack"] == "sara_adaptive"),
+             "attack": "sara", "psnr": MEAN_IMAGE_DB + 3.0}
+    table = R.edge_claims(R.Results(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(rows + [plain]), pd.DataFrame()),
+                          "usl")
+    restored = table[table["claim"].str.startswith("SARA restores most of it")].iloc[0]
+    assert restored["verdict"] == "holds" and "SARA +3.0 dB" in restored["measured"], restored.to_dict()
+
+
 def test_without_vision_edge_runs_the_claims_say_so():
     results = R.Results(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
     table = R.edge_claims(results, "sl")
