@@ -2,7 +2,8 @@
 the stamped privacy benchmark and the privacy bags of the sensitivity teacher."""
 
 import vqa.adapters  # noqa: F401  (registers the built-in datasets)
-from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter, is_stamped, mark_records
+from vqa.adapters.easyvqa_stamped import StampedEasyVQAAdapter
+from vqa.adapters.scenes import ScenesAdapter
 from vqa.answers import canonical_answer, normalize_answer
 from vqa.errors import RowProblem, VQADataError
 from vqa.images import ImageRef, to_rgb
@@ -24,7 +25,17 @@ from vqa.prompts import (
     build_prompt,
     build_training_pair,
 )
-from vqa.registry import DatasetAdapter, SourceRow, SourceTable, dataset_names, get_adapter, load_vqa, register_dataset
+from vqa.registry import (
+    DatasetAdapter,
+    SourceRow,
+    SourceTable,
+    dataset_names,
+    get_adapter,
+    is_stamped,
+    load_vqa,
+    mark_records,
+    register_dataset,
+)
 from vqa.schema import AnswerType, VQADataset, VQASample
 from vqa.scoring import (
     AccuracyReport,
@@ -36,6 +47,7 @@ from vqa.scoring import (
     token_recall,
     vqa_soft_accuracy,
 )
+from vqa.scenes import REFUSAL_ANSWER, SceneSpec, SceneSpecError, needed_patches
 from vqa.stamping import MarkRecord, StampSpec, mark_patches
 
 __all__ = [
@@ -55,6 +67,10 @@ __all__ = [
     "SourceRow",
     "SourceTable",
     "StampSpec",
+    "REFUSAL_ANSWER",
+    "SceneSpec",
+    "SceneSpecError",
+    "ScenesAdapter",
     "StampedEasyVQAAdapter",
     "VQADataError",
     "VQADataset",
@@ -74,6 +90,7 @@ __all__ = [
     "is_stamped",
     "mark_patches",
     "mark_records",
+    "needed_patches",
     "normalize_answer",
     "partition_dataset",
     "partition_indices",

@@ -33,11 +33,11 @@ from typing import Protocol
 import datasets
 from PIL import Image
 
-from vqa.adapters.easyvqa_stamped import StampedEasyVQAImage, stamped_adapter
 from vqa.adapters.hub_tables import image_cells, undecoded_image_column
 from vqa.errors import RowProblem, VQADataError
 from vqa.images import DatasetRowImage, ImageRef, open_row_image
-from vqa.registry import select_rows
+from vqa.registry import get_adapter, is_stamped, select_rows
+from vqa.stamping import SplitImage
 from vqa.sources import open_hf_split, require_columns
 
 PRIVATE = 1
@@ -149,7 +149,7 @@ class HFBagSet:
 
 
 class StampedBagTable:
-    def __init__(self, name: str, split: str, images: list[StampedEasyVQAImage]) -> None:
+    def __init__(self, name: str, split: str, images: list[SplitImage]) -> None:
         self._name = name
         self._split = split
         self._images = images
@@ -182,7 +182,9 @@ class StampedBagSet:
     default_source: str | None = None
 
     def open(self, source: str | None, split: str) -> StampedBagTable:
-        table = stamped_adapter(self.dataset, split).open(source, split)
+        if not is_stamped(self.dataset):
+            raise VQADataError(f"bag set {self.name!r}: dataset {self.dataset!r} records no stamps", dataset=self.dataset)
+        table = get_adapter(self.dataset).open(source, split)
         return StampedBagTable(self.name, split, table.images())
 
 
@@ -268,6 +270,9 @@ CIFAR10 = register_privacy_bags(
     )
 )
 EASYVQA_STAMPED_BAGS = register_privacy_bags(StampedBagSet())
+SCENES_STAMPED_BAGS = register_privacy_bags(
+    StampedBagSet(name="scenes-stamped", dataset="scenes-stamped", splits=("train", "aux", "test"))
+)
 
 PAPER_POSITIVE_SETS = ("celeba", "nih-chest-xray", "eurosat")
 PAPER_NEGATIVE_SETS = ("mnist", "cifar10")

@@ -37,6 +37,7 @@ class SourceRow:
     question_kind: str
     image_key: str = ""
     answers: tuple[str, ...] = ()
+    needed_boxes: tuple[tuple[int, int, int, int], ...] = ()
     image_id: str = ""
     image_ref: ImageRef | None = None
     missing_image_reason: str = ""
@@ -89,6 +90,26 @@ def get_adapter(name: str) -> DatasetAdapter:
     except KeyError:
         known = ", ".join(dataset_names())
         raise VQADataError(f"unknown dataset {name!r}; known datasets: {known}", dataset=name) from None
+
+
+def is_stamped(dataset: str) -> bool:
+    """Whether `dataset` is a stamped benchmark: its adapter records a mark per stamped image
+    (a ``marks(source, split)`` method)."""
+    return callable(getattr(get_adapter(dataset), "marks", None))
+
+
+def mark_records(dataset: str, split: str, source: str | None = None) -> dict:
+    """The mark (``vqa.MarkRecord``) of every stamped image of ``split`` of a stamped dataset, by
+    image id. Covers the whole split whatever ``load_vqa``'s ``limit`` kept; a sample's mark is
+    ``mark_records(...).get(sample.image_id)`` (None: the image is plain)."""
+    adapter = get_adapter(dataset)
+    if not is_stamped(dataset):
+        stamped = ", ".join(name for name in dataset_names() if is_stamped(name))
+        raise VQADataError(f"dataset {dataset!r} has no stamped marks; stamped datasets: {stamped}", dataset=dataset)
+    if split not in adapter.splits:
+        allowed = ", ".join(adapter.splits)
+        raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=dataset, split=split)
+    return adapter.marks(source, split)
 
 
 def load_vqa(
@@ -183,5 +204,6 @@ def _sample(row: SourceRow, name: str, split: str) -> VQASample:
         image_id=row.image_id,
         source_row=row.row_index,
         answers=row.answers,
+        needed_boxes=row.needed_boxes,
         image_ref=row.image_ref,
     )

@@ -24,6 +24,9 @@ class VQASample:
     accuracy scores against all of them; it is empty otherwise. ``image_id`` is shared
     by all questions about the same image, so images are cached and partitioned once
     per image. ``source_row`` is the row's index in the source split, for messages.
+    ``needed_boxes`` are the pixel boxes (left, top, right, bottom; right and bottom
+    exclusive) of what the question needs, where a generated benchmark knows them
+    (``vqa.scenes``); empty otherwise.
     """
 
     id: str
@@ -36,6 +39,7 @@ class VQASample:
     image_id: str
     source_row: int
     answers: tuple[str, ...] = ()
+    needed_boxes: tuple[tuple[int, int, int, int], ...] = ()
     image_ref: ImageRef = field(repr=False, compare=False, kw_only=True)
 
     @property

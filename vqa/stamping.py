@@ -34,7 +34,6 @@ IMAGE_SIDE = 64
 MARK_SIDE = IMAGE_SIDE // 4
 DIGIT_SIDE = 8
 DIGIT_LEVELS = 16
-CELL_SIDE = MARK_SIDE // DIGIT_SIDE
 MARK_POSITIONS = ("top-left", "top-right", "bottom-left", "bottom-right")
 # Black, the darkest stroke: easy-VQA backgrounds are all light, so it shows everywhere.
 INK_RGB = (0, 0, 0)
@@ -85,7 +84,7 @@ class MarkRecord:
 
 
 @lru_cache(maxsize=1)
-def _digits() -> tuple[np.ndarray, np.ndarray]:
+def digit_images() -> tuple[np.ndarray, np.ndarray]:
     digits = load_digits()
     return digits.images.astype(np.int64), digits.target.astype(np.int64)
 
@@ -94,7 +93,7 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
 def digit_pools(seed: int) -> dict[str, np.ndarray]:
     """Disjoint ``load_digits`` row indices for stamping training and test images,
     stratified by digit so both pools hold every digit in the same proportions."""
-    _, labels = _digits()
+    _, labels = digit_images()
     train, test = train_test_split(
         np.arange(len(labels)), test_size=TEST_DIGIT_SHARE, stratify=labels, random_state=seed
     )
@@ -130,7 +129,7 @@ def plan_marks(
     pool = digit_pools(spec.seed)[split]
     passes = max(1, -(-count // len(pool)))
     digit_rows = np.concatenate([rng.permutation(pool) for _ in range(passes)])[:count]
-    images, labels = _digits()
+    images, labels = digit_images()
     marks = {}
     for number, position_index, digit_row in zip(stamped, positions, digit_rows, strict=True):
         position = MARK_POSITIONS[position_index]
@@ -151,11 +150,11 @@ def stamp(image: Image.Image, mark: MarkRecord) -> Image.Image:
     expected = (mark.image_side, mark.image_side)
     if image.size != expected:
         raise ValueError(
-            f"the stamped benchmark draws into {expected[0]}x{expected[1]} easy-VQA images, "
+            f"this mark draws into {expected[0]}x{expected[1]} images, "
             f"got {image.size[0]}x{image.size[1]}"
         )
     pixels = np.asarray(image.convert("RGB"), dtype=np.float64).copy()
-    cell = np.ones((CELL_SIDE, CELL_SIDE))
+    cell = np.ones(((mark.box[2] - mark.box[0]) // DIGIT_SIDE,) * 2)
     alpha = np.kron(np.asarray(mark.ink, dtype=np.float64) / DIGIT_LEVELS, cell)[..., None]
     left, top, right, bottom = mark.box
     region = pixels[top:bottom, left:right]
@@ -193,6 +192,16 @@ def _patches_over(start: int, stop: int, original: int, image_size: int, patch_s
     first = start * image_size // scale
     last = -(-stop * image_size // scale) - 1
     return range(first, last + 1)
+
+
+@dataclass(frozen=True)
+class SplitImage:
+    """One image of a stamped benchmark's split, asked about or not; ``mark`` is None when it is plain."""
+
+    number: int
+    image_id: str
+    image_ref: ImageRef
+    mark: MarkRecord | None
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,7 +5,7 @@ import pytest
 from attacks import build_attack
 from attacks.marks import MarkReader, mark_readback
 from vqa import load_vqa
-from vqa.adapters.easyvqa_stamped import mark_records
+from vqa import mark_records
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ from vqa import VQADataError, dataset_names, get_adapter, load_vqa
 
 
 def test_every_paper_benchmark_and_easyvqa_is_registered() -> None:
-    # easyvqa-stamped reads easy-VQA's layout; its own tests are in test_stamping.py.
+    # easyvqa-stamped reads easy-VQA's layout; its own tests are in test_stamping.py, and the
+    # generated scenes' in test_scenes.py.
     paper_and_easyvqa = {"easyvqa", "vqa-rad", "slake", "pathvqa", "gqa", "okvqa", "vqav2"}
-    assert set(dataset_names()) == paper_and_easyvqa | {"easyvqa-stamped"}
+    assert set(dataset_names()) == paper_and_easyvqa | {"easyvqa-stamped", "scenes", "scenes-stamped"}
     assert {layout.dataset for layout in LAYOUTS} == paper_and_easyvqa
 
 

@@ -18,8 +18,8 @@ from vqa.privacy_bags import PAPER_NEGATIVE_SETS, PAPER_POSITIVE_SETS
 CORRUPT = b"\x89PNG\r\n\x1a\n this is not a picture"
 
 
-def test_the_paper_s_sets_and_the_offline_set_are_registered() -> None:
-    assert set(privacy_bag_names()) == {*PAPER_POSITIVE_SETS, *PAPER_NEGATIVE_SETS, "easyvqa-stamped"}
+def test_the_paper_s_sets_and_the_offline_sets_are_registered() -> None:
+    assert set(privacy_bag_names()) == {*PAPER_POSITIVE_SETS, *PAPER_NEGATIVE_SETS, "easyvqa-stamped", "scenes-stamped"}
     assert set(PAPER_POSITIVE_SETS) == {"celeba", "nih-chest-xray", "eurosat"}
     assert set(PAPER_NEGATIVE_SETS) == {"mnist", "cifar10"}
     assert {layout.name for layout in BAG_LAYOUTS} == {*PAPER_POSITIVE_SETS, *PAPER_NEGATIVE_SETS}

@@ -231,7 +231,7 @@ def test_stamping_a_picture_of_another_size_names_the_sample(tmp_path: Path) -> 
     marks = mark_records("easyvqa-stamped", "test", source=str(tmp_path))
     stamped = next(sample for sample in samples if sample.image_id in marks)
     where = rf"\[easyvqa-stamped/test\] row {stamped.source_row} \(id '{stamped.id}'\)"
-    with pytest.raises(VQADataError, match=where + ".*draws into 64x64 easy-VQA images, got 32x32"):
+    with pytest.raises(VQADataError, match=where + ".*draws into 64x64 images, got 32x32"):
         stamped.image
 
 

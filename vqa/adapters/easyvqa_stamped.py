@@ -9,7 +9,7 @@ feature cache keyed by image id.
 
 Another share or seed is another dataset:
 ``register_dataset(StampedEasyVQAAdapter("easyvqa-stamped-25", StampSpec(share=0.25)))``.
-``source`` is an easy-VQA directory, as for ``easyvqa``. ``mark_records`` gives the
+``source`` is an easy-VQA directory, as for ``easyvqa``. ``vqa.mark_records`` gives the
 marks of a split by image id (unstamped images have none).
 """
 
@@ -20,20 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vqa.adapters.easyvqa import EASYVQA, EasyVQATable
-from vqa.errors import VQADataError
 from vqa.images import FileImage, ImageRef
-from vqa.registry import SourceRow, dataset_names, get_adapter, register_dataset
-from vqa.stamping import MarkRecord, StampedImage, StampSpec, plan_marks
-
-
-@dataclass(frozen=True)
-class StampedEasyVQAImage:
-    """One image of a split, asked about or not; ``mark`` is None when it is plain."""
-
-    number: int
-    image_id: str
-    image_ref: ImageRef
-    mark: MarkRecord | None
+from vqa.registry import SourceRow, register_dataset
+from vqa.stamping import MarkRecord, SplitImage, StampedImage, StampSpec, plan_marks
 
 
 class StampedEasyVQATable:
@@ -64,14 +53,14 @@ class StampedEasyVQATable:
             if mark is not None:
                 row.image_ref = StampedImage(row.image_ref, mark)
 
-    def images(self) -> list[StampedEasyVQAImage]:
+    def images(self) -> list[SplitImage]:
         """Every image of the split in image-number order, stamped where planned."""
         entries = []
         for number, path in sorted(self._plain.image_paths.items()):
             mark = self.marks_by_number.get(number)
             plain = FileImage(Path(path))
             image_ref: ImageRef = plain if mark is None else StampedImage(plain, mark)
-            entries.append(StampedEasyVQAImage(number, self.image_id(number), image_ref, mark))
+            entries.append(SplitImage(number, self.image_id(number), image_ref, mark))
         return entries
 
 
@@ -85,32 +74,9 @@ class StampedEasyVQAAdapter:
     def open(self, source: str | None, split: str) -> StampedEasyVQATable:
         return StampedEasyVQATable(EASYVQA.open(source, split), split, self.spec)
 
-
-def is_stamped(dataset: str) -> bool:
-    """Whether `dataset` is a stamped benchmark (its images carry recorded marks)."""
-    return isinstance(get_adapter(dataset), StampedEasyVQAAdapter)
-
-
-def stamped_adapter(dataset: str, split: str) -> StampedEasyVQAAdapter:
-    """The registered stamped dataset ``dataset``, with ``split`` checked."""
-    adapter = get_adapter(dataset)
-    if not is_stamped(dataset):
-        stamped = ", ".join(name for name in dataset_names() if is_stamped(name))
-        raise VQADataError(f"dataset {dataset!r} has no stamped marks; stamped datasets: {stamped}", dataset=dataset)
-    if split not in adapter.splits:
-        allowed = ", ".join(adapter.splits)
-        raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=dataset, split=split)
-    return adapter
-
-
-def mark_records(dataset: str, split: str, source: str | None = None) -> dict[str, MarkRecord]:
-    """The mark of every stamped image of ``split`` of a stamped dataset, by image id.
-
-    Covers the whole split whatever ``load_vqa``'s ``limit`` kept; a sample's mark is
-    ``mark_records(...).get(sample.image_id)`` (None: the image is plain).
-    """
-    table = stamped_adapter(dataset, split).open(source, split)
-    return {mark.image_id: mark for mark in table.marks_by_number.values()}
+    def marks(self, source: str | None, split: str) -> dict[str, MarkRecord]:
+        """The mark of every stamped image of ``split``, by image id."""
+        return {mark.image_id: mark for mark in self.open(source, split).marks_by_number.values()}
 
 
 EASYVQA_STAMPED = register_dataset(StampedEasyVQAAdapter())
