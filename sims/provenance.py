@@ -26,8 +26,9 @@ def _git(*args: str) -> str:
 
 def provenance() -> dict[str, Any]:
     """Commit (with '+dirty' for uncommitted changes to tracked files), the mini recipe and every
-    offline profile's (mini-positional's differs by its position loss), time, machine."""
-    from vlm.mini.recipe import RECIPES
+    offline profile's (mini-positional's differs by its position loss) with the digest of the
+    weights built from it here, time, machine."""
+    from vlm.mini import RECIPES, weights_identity
 
     commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
     if _git("status", "--porcelain", "--untracked-files=no"):
@@ -36,6 +37,7 @@ def provenance() -> dict[str, Any]:
         "commit": commit,
         "mini_recipe": RECIPES["mini"].fingerprint(),
         "recipes": {name: recipe.fingerprint() for name, recipe in RECIPES.items()},
+        "weights": {name: weights_identity(name) for name in RECIPES},
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
     }

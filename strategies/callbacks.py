@@ -25,6 +25,7 @@ from config import RESUMABLE_KEYS, SimConfig
 from training.data import RunData
 from training.defenses import describe_defenses, describe_dp
 from training.protocol import NODE_PARTITIONS_FILE
+from vlm.loading import describe_weights
 
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class RunFolder:
         # The status last written, and a lock so that the heartbeat never writes an older one over it.
         self.status: dict[str, Any] = {}
         self._status_lock = threading.Lock()
+        # What the run measures: a result names the weights (a mini build's digest), not only the recipe.
+        self.weights = describe_weights(config.model.profile, config.model.stage, config.model.source)
         path.mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)
         previous = path / "config.json"
@@ -109,7 +112,8 @@ class RunFolder:
     def write_status(self, state: str, **details: Any) -> None:
         now = time.time()
         with self._status_lock:
-            self.status = {"state": state, "time": now, "heartbeat": now, "threat_model": self.config.threat.model,
+            self.status = {"state": state, "time": now, "heartbeat": now, "weights": self.weights,
+                           "threat_model": self.config.threat.model,
                            "defenses": describe_defenses(self.config), "dp": describe_dp(self.config), **details}
             write_json_atomically(self.path / "status.json", self.status)
 

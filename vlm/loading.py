@@ -80,7 +80,9 @@ class ModelBundle:
 ModelLoader = Callable[..., ModelBundle]
 
 _LOADERS: dict[str, ModelLoader] = {}
-LAZY_LOADER_MODULES = {"mini": "vlm.mini", "mini-positional": "vlm.mini", "mini-interleaved": "vlm.mini"}
+LAZY_LOADER_MODULES = {
+    "mini": "vlm.mini", "mini-positional": "vlm.mini", "mini-interleaved": "vlm.mini", "mini-scenes": "vlm.mini",
+}
 
 
 def register_loader(profile_name: str, loader: ModelLoader, *, replace: bool = False) -> None:
@@ -236,6 +238,18 @@ def load_pretrained_llava(
 def uses_random_weights(profile: Profile, stage: str) -> bool:
     """Stage "random", or a profile without weights of its own (tiny)."""
     return stage == RANDOM_STAGE or profile.name == TINY.name
+
+
+def describe_weights(profile: str, stage: str, source: str | Path | None = None) -> str:
+    """Which weights a run or result used, for its record: seeded random weights, the checkpoint
+    it was pointed at, or a mini build's recipe fingerprint and weights digest."""
+    if uses_random_weights(get_profile(profile), stage):
+        return f"{profile} random weights (seeded)"
+    if profile in LAZY_LOADER_MODULES:
+        # Through the registry's module name, as load_model finds the mini loaders (vlm.mini imports this module).
+        weights_identity = importlib.import_module(LAZY_LOADER_MODULES[profile]).weights_identity
+        return f"{weights_identity(profile)}, {stage} stage"
+    return f"{profile} checkpoint {source or get_profile(profile).hf_id}"
 
 
 def load_weights(

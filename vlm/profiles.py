@@ -267,6 +267,18 @@ MINI_INTERLEAVED = register_profile(
             description="The mini model that learned in-context demonstrations in its base stage (task vectors, DP-MTV)")
 )
 
+# The scene testbed's model (vqa.scenes): the mini's sizes with a vision tower whose patch rows
+# stay local (each row attends only to itself: vlm.segments.local_attention_mask), so a pruned
+# patch takes its content with it, as it cannot in the mini, whose every row holds the whole image.
+MINI_SCENES = register_profile(
+    dataclasses.replace(
+        MINI,
+        name="mini-scenes",
+        vision={**MINI.vision, "patch_attention_radius": 0},
+        description="The mini model trained on generated scenes, its visual rows local to their patch (the testbed)",
+    )
+)
+
 TINY = register_profile(
     Profile(
         name="tiny",

@@ -52,6 +52,29 @@ def llava_parts(model: nn.Module) -> LlavaParts:
     )
 
 
+def local_attention_mask(vision_config, embeddings: torch.Tensor) -> torch.Tensor | None:
+    """The additive attention mask [1, 1, 1 + N, 1 + N] of a vision tower whose patch rows stay
+    local, or None for CLIP's global attention.
+
+    `patch_attention_radius` (a profile's vision setting, kept in the vision config) lets a patch
+    row attend only to patches within that Chebyshev distance on the grid: 0 keeps each row a
+    function of its own patch, so removing a patch removes its content (vlm/profiles.py,
+    mini-scenes). The CLS row may read every row, but no patch row reads it, since it would
+    carry the whole image back into every patch.
+    """
+    radius = getattr(vision_config, "patch_attention_radius", None)
+    if radius is None:
+        return None
+    grid = vision_config.image_size // vision_config.patch_size
+    rows, cols = torch.arange(grid).repeat_interleave(grid), torch.arange(grid).repeat(grid)
+    near = ((rows[:, None] - rows[None, :]).abs() <= radius) & ((cols[:, None] - cols[None, :]).abs() <= radius)
+    allowed = torch.ones(grid * grid + 1, grid * grid + 1, dtype=torch.bool)
+    allowed[1:, 1:] = near
+    allowed[1:, 0] = False
+    mask = torch.zeros(allowed.shape, dtype=embeddings.dtype, device=embeddings.device)
+    return mask.masked_fill(~allowed.to(embeddings.device), torch.finfo(embeddings.dtype).min)[None, None]
+
+
 def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor, tower: nn.Module | None = None) -> list[torch.Tensor]:
     """The patch rows [B, N, Dv] the vision tower holds after its embeddings (index 0) and
     after each layer up to the configured vision feature layer (the last entry is what
@@ -72,8 +95,9 @@ def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor, tower: nn
     # hidden_states[0] is the (pre-layernormed) embedding output, hidden_states[i] the output of layer i.
     layers_to_run = feature_layer % (len(encoder_layers) + 1)
     hidden_states = [tower.pre_layrnorm(tower.embeddings(pixel_values))]
+    mask = local_attention_mask(parts.config.vision_config, hidden_states[0])
     for layer in encoder_layers[:layers_to_run]:
-        hidden_states.append(layer(hidden_states[-1], None))
+        hidden_states.append(layer(hidden_states[-1], mask))
     if parts.config.vision_feature_select_strategy == "default":
         return [h[:, 1:] for h in hidden_states]
     return hidden_states

@@ -148,7 +148,7 @@ def test_registered_loader_receives_profile_and_options(isolated_loader_registry
 
 def test_profile_without_loader_names_registered_ones(isolated_loader_registry):
     # Another test may have imported vlm.mini, which registers the real mini loaders.
-    for name in ("mini", "mini-positional", "mini-interleaved"):
+    for name in ("mini", "mini-positional", "mini-interleaved", "mini-scenes"):
         loading._LOADERS.pop(name, None)
     registered = r"\['llava-1.5-7b', 'tiny'\]"
     with pytest.raises(ValueError, match=rf"no loader registered for profile 'mini'; registered: {registered}"):

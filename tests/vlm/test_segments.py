@@ -1,9 +1,12 @@
 """The backbone's first test: the split model equals the monolithic one, forward and backward."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from vlm.cuts import split_layers
+from vlm.loading import build_random_model
 from vlm.profiles import TINY
 from vlm.segments import (
     IGNORE_INDEX,
@@ -335,3 +338,25 @@ def test_greedy_generate_stops_at_eos_and_batches_like_single_samples(tiny_model
     assert free == alone
     stopped = greedy_generate(tiny_model, prompts, visual, max_new_tokens=3, eos_token_id=free[0][1])
     assert stopped[0] == free[0][:1]
+
+
+@pytest.mark.parametrize("radius", [0, 1])
+def test_a_local_vision_tower_keeps_each_patch_row_within_its_radius(radius):
+    # mini-scenes' tower (vlm/profiles.py): a change to one patch moves only the rows within `radius`.
+    profile = dataclasses.replace(TINY, name="tiny-local", vision={**TINY.vision, "patch_attention_radius": radius})
+    model = build_random_model(profile, seed=0)
+    grid = profile.image_size // profile.patch_size
+    pixels = torch.randn(1, 3, profile.image_size, profile.image_size, generator=torch.Generator().manual_seed(0))
+    changed = pixels.clone()
+    row, col = 1, 2
+    changed[..., row * profile.patch_size:(row + 1) * profile.patch_size, col * profile.patch_size:(col + 1) * profile.patch_size] += 1.0
+    for before, after in zip(vision_hidden_states(model, pixels), vision_hidden_states(model, changed), strict=True):
+        moved = ((before - after).abs().amax(-1) > 1e-6)[0].reshape(grid, grid)
+        rows, cols = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+        within = ((rows - row).abs() <= radius) & ((cols - col).abs() <= radius)
+        assert not (moved & ~within).any()
+        assert moved[row, col]
+    # Without the setting the tower is CLIP's: after one layer the change reaches every row.
+    clip = build_random_model(TINY, seed=0)
+    last = (vision_hidden_states(clip, pixels)[-1] - vision_hidden_states(clip, changed)[-1]).abs().amax(-1)
+    assert bool((last > 1e-6).all())

@@ -4,8 +4,10 @@ Each finished stage is saved before the next starts, so an interrupted build
 resumes at the stage it was in. The folder is keyed by the recipe's fingerprint.
 """
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -22,12 +24,14 @@ from vlm.features import VisionFeatureCache
 from vlm.loading import ModelBundle, ModelNotAvailableError, build_random_model, clip_image_preprocessor
 from vlm.lora import apply_lora
 from vlm.mini.attributes import image_attributes
-from vlm.mini.recipe import MiniRecipe, recipe_for
+from vlm.mini.recipe import MiniRecipe, SceneRecipe, recipe_for
+from vlm.mini.scene_stages import patch_labels, pretrain_scene_vision, train_scene_decoder
 from vlm.mini.stages import BaseComparisonStalled, instruction_texts, pretrain_vision, train_base, train_vqa_lora
 from vlm.mini.tokenizer import build_word_tokenizer
-from vlm.profiles import MINI, Profile
+from vlm.profiles import MINI, MINI_SCENES, Profile
 from vlm.segments import llava_parts
-from vqa import build_prompt, load_vqa
+from vqa import build_prompt, get_adapter, load_vqa
+from vqa.adapters.scenes import split_scenes
 
 CACHE_ENV = "QPRIV_CACHE_DIR"
 STAGES = ("base", "vqa")
@@ -41,9 +45,9 @@ def cache_root() -> Path:
 class MiniFolder:
     """The files of one mini-model build."""
 
-    def __init__(self, recipe: MiniRecipe, root: Path | None = None) -> None:
+    def __init__(self, recipe: "MiniRecipe | SceneRecipe", root: Path | None = None, *, name: str | None = None) -> None:
         self.recipe = recipe
-        self.path = (root or cache_root()) / "mini" / recipe.fingerprint()
+        self.path = (root or cache_root()) / "mini" / recipe.fingerprint() if name is None else (root or cache_root()) / name
         self.tokenizer = self.path / "tokenizer"
         self.vision = self.path / "stage1_vision.safetensors"
         self.features = self.path / "vision_features.pt"
@@ -58,14 +62,73 @@ class MiniFolder:
         self.report.write_text(json.dumps(report, indent=2))
 
 
-def _new_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
+def _new_model(tokenizer: PreTrainedTokenizerFast, seed: int, profile: Profile = MINI) -> torch.nn.Module:
     return build_random_model(
-        MINI,
+        profile,
         seed=seed,
         vocab_size=len(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+# Built weights that ship with the code, one folder per recipe fingerprint (tokenizer, base, VQA
+# LoRA, build.json): a newcomer's first run installs them in seconds instead of training for
+# half an hour, and `qpriv-mini build --from-scratch` rebuilds them to check the digest.
+SHIPPED_ROOT = Path(__file__).parent / "shipped"
+SHIPPED_FILES = ("tokenizer", "stage2_base.safetensors", "stage3_vqa_lora.safetensors", "build.json")
+
+
+class ShippedWeightsCorrupt(RuntimeError):
+    """Shipped weights whose digest is not the one their build recorded (a torn or altered file)."""
+
+
+def shipped_folder(recipe: "MiniRecipe | SceneRecipe") -> Path | None:
+    path = SHIPPED_ROOT / recipe.fingerprint()
+    return path if (path / "build.json").is_file() else None
+
+
+def install_shipped(recipe: "MiniRecipe | SceneRecipe", folder: "MiniFolder") -> bool:
+    """Copy the shipped build of `recipe` into `folder` after checking its digest; False when none ships."""
+    shipped = shipped_folder(recipe)
+    if shipped is None:
+        return False
+    report = json.loads((shipped / "build.json").read_text())
+    staging = folder.path.with_name(f".{folder.path.name}.installing")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(shipped, staging)
+    got = weights_digest(MiniFolder(recipe, staging.parent, name=staging.name))
+    if got != report.get("weights_digest"):
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ShippedWeightsCorrupt(
+            f"the shipped weights in {shipped} have digest {got}, but their build recorded "
+            f"{report.get('weights_digest')}: a file is torn or altered. Restore it from git "
+            f"(git checkout -- {shipped}) or build from scratch with `{BUILD_COMMAND} --from-scratch`."
+        )
+    report["installed_from"] = str(shipped.relative_to(SHIPPED_ROOT.parents[2]))
+    (staging / "build.json").write_text(json.dumps(report, indent=2))
+    for name in SHIPPED_FILES:
+        target = folder.path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(staging / name, target)
+    shutil.rmtree(staging, ignore_errors=True)
+    return True
+
+
+def ship(recipe: "MiniRecipe | SceneRecipe", root: Path | None = None) -> Path:
+    """Copy the finished build of `recipe` from the cache into SHIPPED_ROOT (to commit with the code)."""
+    folder = MiniFolder(recipe, root)
+    missing = [name for name in SHIPPED_FILES if not (folder.path / name).exists()]
+    if missing:
+        raise ModelNotAvailableError(f"nothing to ship: {folder.path} lacks {', '.join(missing)}; build it first")
+    target = SHIPPED_ROOT / recipe.fingerprint()
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in SHIPPED_FILES:
+        copy = shutil.copytree if (folder.path / name).is_dir() else shutil.copy2
+        copy(folder.path / name, target / name)
+    return target
 
 
 class MiniBuildFailed(RuntimeError):
@@ -79,10 +142,20 @@ def _reinitialise_language_side(model: torch.nn.Module, fresh: torch.nn.Module) 
         getattr(parts, name).load_state_dict(getattr(fresh_parts, name).state_dict())
 
 
-def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, progress: bool = True) -> MiniFolder:
-    """Build (or finish building) the mini model; returns its folder. Seconds per stage go to build.json."""
+def build_mini(
+    recipe: MiniRecipe | SceneRecipe = MiniRecipe(), *, root: Path | None = None, progress: bool = True,
+    from_scratch: bool = False,
+) -> MiniFolder:
+    """Build (or finish building) the mini model; returns its folder. Seconds per stage go to build.json.
+
+    A recipe whose weights ship with the code (`shipped_folder`) is installed from them, digest
+    checked, unless `from_scratch`."""
     folder = MiniFolder(recipe, root)
     folder.path.mkdir(parents=True, exist_ok=True)
+    if not from_scratch and not _complete(folder) and install_shipped(recipe, folder):
+        return folder
+    if isinstance(recipe, SceneRecipe):
+        return build_scenes(recipe, root=root, progress=progress)
     report = folder.read_report()
     report["recipe"] = asdict(recipe)
     torch.manual_seed(recipe.seed)
@@ -170,8 +243,113 @@ def build_mini(recipe: MiniRecipe = MiniRecipe(), *, root: Path | None = None, p
 
         timed("vqa", vqa_stage)
     report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
+    report["weights_digest"] = weights_digest(folder)
     folder.write_report(report)
     return folder
+
+
+def _complete(folder: MiniFolder) -> bool:
+    return folder.tokenizer.is_dir() and folder.base.is_file() and folder.lora.is_file()
+
+
+def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: bool = True) -> MiniFolder:
+    """Build (or finish building) the scene testbed's model (vlm/mini/scene_stages.py) in
+    `recipe.threads` torch threads, so that two builds of one recipe are identical."""
+    folder = MiniFolder(recipe, root)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    report = folder.read_report()
+    report["recipe"] = asdict(recipe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        torch.manual_seed(recipe.seed)
+        spec = get_adapter(recipe.dataset).spec
+        if spec.image_size != MINI_SCENES.image_size:
+            raise ValueError(f"{recipe.dataset} images are {spec.image_size} px; the model reads {MINI_SCENES.image_size}")
+
+        def timed(stage: str, work: Callable[[], dict]) -> None:
+            started = time.perf_counter()
+            outcome = work()
+            report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), **outcome}
+            folder.write_report(report)
+
+        splits = {split: load_vqa(recipe.dataset, split) for split in spec.splits}
+        if not folder.tokenizer.is_dir():
+            texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for rows in splits.values() for s in rows]
+            build_word_tokenizer(texts).save_pretrained(folder.tokenizer)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
+        model = _new_model(tokenizer, recipe.seed, MINI_SCENES)
+        preprocess = clip_image_preprocessor(MINI_SCENES.image_size)
+        if folder.vision.is_file():
+            load_weights_into(model, folder.vision)
+        else:
+
+            def vision_stage() -> dict:
+                scenes = split_scenes(spec, "train")
+                pixels = preprocess([scene.render() for scene in scenes])
+                labels = patch_labels(scenes, spec, MINI_SCENES.patch_size)
+                loss = pretrain_scene_vision(model, pixels, labels, spec, recipe, progress=progress)
+                save_model(model, folder.vision)
+                return {"final_loss": loss}
+
+            timed("vision", vision_stage)
+        features = VisionFeatureCache(model, preprocess)
+        if folder.features.is_file():
+            features.load(folder.features)
+        else:
+
+            def feature_stage() -> dict:
+                features.add([s for rows in splits.values() for s in rows], progress=progress)
+                features.save(folder.features)
+                return {}
+
+            timed("features", feature_stage)
+        train = list(splits["train"])
+        if folder.base.is_file():
+            load_weights_into(model, folder.base)
+        else:
+
+            def base_stage() -> dict:
+                _, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="base", progress=progress)
+                save_model(model, folder.base)
+                return {"final_loss": loss}
+
+            timed("base", base_stage)
+        if not folder.lora.is_file():
+
+            def vqa_stage() -> dict:
+                peft_model, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="vqa", progress=progress)
+                save_file(get_peft_model_state_dict(peft_model), folder.lora)
+                return {"final_loss": loss}
+
+            timed("vqa", vqa_stage)
+    finally:
+        torch.set_num_threads(threads)
+    report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
+    report["weights_digest"] = weights_digest(folder)
+    folder.write_report(report)
+    return folder
+
+
+def weights_digest(folder: MiniFolder) -> str:
+    """sha256 over the built weight files (base, then VQA LoRA): what a result was measured on,
+    beside the recipe that was meant to make it."""
+    digest = hashlib.sha256()
+    for path in (folder.base, folder.lora):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def weights_identity(profile: str, root: Path | None = None) -> str:
+    """What a result names as its mini weights: `<profile> recipe <fingerprint>, weights <digest>`,
+    or that the profile is not built here."""
+    recipe = recipe_for(profile)
+    folder = MiniFolder(recipe, root)
+    if not _complete(folder):
+        return f"{profile} recipe {recipe.fingerprint()}, not built"
+    digest = folder.read_report().get("weights_digest") or weights_digest(folder)
+    return f"{profile} recipe {recipe.fingerprint()}, weights {digest}"
 
 
 def load_mini(
@@ -191,6 +369,8 @@ def load_mini(
     folder = MiniFolder(recipe, root)
     needed = [folder.tokenizer, folder.base] + ([folder.lora] if stage == "vqa" else [])
     missing = [path.name for path in needed if not path.exists()]
+    if missing and install_shipped(recipe, folder):
+        missing = []
     if missing:
         raise ModelNotAvailableError(
             f"the mini model ({stage} stage) is not built in {folder.path} (missing: {', '.join(missing)}). "
@@ -198,7 +378,7 @@ def load_mini(
             "build elsewhere)."
         )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
-    model = _new_model(tokenizer, recipe.seed)
+    model = _new_model(tokenizer, recipe.seed, profile)
     load_weights_into(model, folder.base)
     if stage == "vqa":
         model = apply_lora(model, rank=recipe.lora_rank)

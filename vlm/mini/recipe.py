@@ -166,6 +166,51 @@ _ADDED_LATER = {
 }
 
 
+@dataclass(frozen=True)
+class SceneRecipe:
+    """The scene testbed's recipe (vlm/mini/scene_stages.py): every number that decides what
+    the `mini-scenes` build makes; its fingerprint is the cache key, as MiniRecipe's."""
+
+    dataset: str = "scenes-stamped"
+    seed: int = 0
+    lr_decay_share: float = 0.25
+    # Stage 1: per-patch labels need no curriculum; the pixel read-out keeps what no label names.
+    vision_steps: int = 1200
+    vision_batch_size: int = 64
+    vision_lr: float = 3e-3
+    vision_position_loss_weight: float = 1.0
+    vision_pixel_loss_weight: float = 1.0
+    # Stage 2: per step, base_batch_size whole-image conversations of up to base_max_turns
+    # questions and base_subset_batch_size single questions over the needed patches and a
+    # random share of the rest.
+    base_steps: int = 3000
+    base_batch_size: int = 16
+    base_subset_batch_size: int = 16
+    base_max_turns: int = 6
+    base_lr: float = 1e-3
+    # Stage 3: LoRA over the same mixture.
+    vqa_steps: int = 400
+    vqa_lr: float = 1e-3
+    lora_rank: int = 32
+    # Scene answers are one word, as easy-VQA's.
+    instruction: str | None = None
+    # Torch threads of the build: CPU kernels reduce in an order that depends on the thread
+    # count, so a fixed count is what makes two builds of one recipe bit-identical. One: a
+    # 2-thread build slowed ~10x whenever another job held a core (its threads wait on each
+    # other at every kernel), where one thread keeps its pace and leaves the other core free.
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("vision_steps", "base_steps", "vqa_steps", "vision_batch_size", "base_max_turns", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.base_batch_size + self.base_subset_batch_size < 1:
+            raise ValueError("base_batch_size + base_subset_batch_size must be at least 1")
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps({"kind": "scenes", **asdict(self)}, sort_keys=True).encode()).hexdigest()[:12]
+
+
 # The recipe each mini profile is built with (vlm/profiles.py registers the profiles).
 RECIPES = {
     "mini": MiniRecipe(),
@@ -173,10 +218,11 @@ RECIPES = {
     # A longer all-token tail (2,375 steps, half of them interleaved) gives in-context learning
     # its own steps without shortening the few-token phase that seed 0 needed (2,625 steps).
     "mini-interleaved": MiniRecipe(base_interleaved_share=0.5, base_steps=5000, base_few_tokens_share=0.525),
+    "mini-scenes": SceneRecipe(),
 }
 
 
-def recipe_for(profile: str) -> MiniRecipe:
+def recipe_for(profile: str) -> "MiniRecipe | SceneRecipe":
     try:
         return RECIPES[profile]
     except KeyError:
