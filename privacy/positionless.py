@@ -183,10 +183,12 @@ def distill_block(model: nn.Module, tower: nn.Module, block: int, train: Distill
     return metrics
 
 
-def settings_fingerprint(settings: DistillSettings, profile: str, stage: str, rows: int) -> str:
-    """What block j's result depends on: every setting but k (so k = 2 reuses k = 1's first block)."""
+def settings_fingerprint(settings: DistillSettings, profile: str, stage: str, rows: int, dataset: str = "easyvqa") -> str:
+    """What block j's result depends on: every setting but k (so k = 2 reuses k = 1's first block).
+    The dataset enters only away from easy-VQA, so edges prepared before it was a setting keep their key."""
     chosen = {k: v for k, v in asdict(settings).items() if k != "blocks"}
-    key = json.dumps({"settings": chosen, "profile": profile, "stage": stage, "rows": rows}, sort_keys=True)
+    fields = {"settings": chosen, "profile": profile, "stage": stage, "rows": rows}
+    key = json.dumps(fields | ({"dataset": dataset} if dataset != "easyvqa" else {}), sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -74,10 +74,10 @@ class Front:
     data: Any
 
 
-def load_front(profile: str, stage: str, samples: int, *, seed: int = 0) -> Front:
-    """The public model of an SL run on `profile` whose one client holds `samples` easy-VQA training
-    rows (`data.train_limit`), those rows, and the decoder inputs its front gets for them in training
-    (prompt, visual tokens, answer)."""
+def load_front(profile: str, stage: str, samples: int, *, seed: int = 0, dataset: str = "easyvqa") -> Front:
+    """The public model of an SL run on `profile` whose one client holds `samples` training rows of
+    `dataset` (`data.train_limit`), those rows, and the decoder inputs its front gets for them in
+    training (prompt, visual tokens, answer)."""
     from attacks.replay import knowledge_for_run
     from config import load_config
     from training.data import RunData
@@ -85,7 +85,7 @@ def load_front(profile: str, stage: str, samples: int, *, seed: int = 0) -> Fron
 
     # One client holding `samples` training rows: the run's data reads no more than it uses.
     config = load_config({"model.profile": profile, "model.stage": stage, "model.seed": seed, "paradigm": "sl",
-                          "clients.count": 1, "data.train_limit": samples, "data.test_limit": 1,
+                          "clients.count": 1, "data.dataset": dataset, "data.train_limit": samples, "data.test_limit": 1,
                           "output.name": "privacy-analysis"})
     knowledge = knowledge_for_run(config)
     data = RunData.build(config)
@@ -289,6 +289,8 @@ class PositionlessPrepare:
 
     profile: str = "mini"
     stage: str = "vqa"
+    # Whose training rows the edge is distilled on: the data the profile's model reads.
+    dataset: str = "easyvqa"
     rows: int = 512
     held_out: int = 64
     distill: Any = None  # privacy.positionless.DistillSettings (None: its defaults)
@@ -316,7 +318,7 @@ class PositionlessPrepare:
 
         from privacy.positionless import DistillSettings
 
-        own = {"profile", "stage", "rows", "held_out"}
+        own = {"profile", "stage", "dataset", "rows", "held_out"}
         allowed = own | {f.name for f in fields(DistillSettings)}
         unknown = sorted(set(table) - allowed)
         if unknown:
@@ -338,7 +340,7 @@ def prepare_positionless(out: Path, edge: PositionlessPrepare, *, stages: Path |
 
     settings = edge.distill
     start = time.perf_counter()
-    front = load_front(edge.profile, edge.stage, edge.rows + edge.held_out, seed=settings.seed)
+    front = load_front(edge.profile, edge.stage, edge.rows + edge.held_out, seed=settings.seed, dataset=edge.dataset)
     k, model = front.knowledge, front.knowledge.model
     if len(front.rows) < edge.rows + edge.held_out:
         raise UsageError(f"rows {edge.rows} + held_out {edge.held_out}: the dataset has {len(front.rows)} training rows")
@@ -346,7 +348,7 @@ def prepare_positionless(out: Path, edge: PositionlessPrepare, *, stages: Path |
                         [k.answer_ids(s.answer) for s in front.rows])
     train = rows.take(torch.arange(edge.rows))
     held_out = rows.take(torch.arange(edge.rows, edge.rows + edge.held_out))
-    fingerprint = settings_fingerprint(settings, edge.profile, edge.stage, edge.rows)
+    fingerprint = settings_fingerprint(settings, edge.profile, edge.stage, edge.rows, edge.dataset)
     out.mkdir(parents=True, exist_ok=True)
     stages = (out / "stages" if stages is None else stages) / fingerprint
     stages.mkdir(parents=True, exist_ok=True)
@@ -387,7 +389,7 @@ def run_positionless(args: argparse.Namespace) -> Path:
     from privacy.positionless import DistillSettings
 
     edge = PositionlessPrepare(
-        profile=args.profile, stage=args.stage, rows=args.rows, held_out=args.held_out,
+        profile=args.profile, stage=args.stage, dataset=args.dataset, rows=args.rows, held_out=args.held_out,
         distill=DistillSettings(blocks=args.blocks, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                                 temperature=args.temperature, position_weight=args.position_weight, seed=args.seed))
     torch.set_num_threads(args.threads)
@@ -449,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     positionless = commands.add_parser("positionless", help="distil a vision tower without positional embeddings")
     positionless.add_argument("--profile", default="mini", choices=profile_names())
     positionless.add_argument("--stage", default="vqa", choices=STAGES, help="the teacher's (and the edge's) weights")
+    positionless.add_argument("--dataset", default="easyvqa", help="whose training rows the edge is distilled on")
     positionless.add_argument("--blocks", type=int, default=1, help="k: vision blocks distilled, from the first")
     positionless.add_argument("--steps", type=int, default=200, help="Adam steps per block")
     positionless.add_argument("--batch-size", type=int, default=8)
