@@ -2,6 +2,7 @@
 
 - pruning.profiles: the sizes per model profile (encoders, P, head widths)
 - pruning.encoders: the frozen CLIP text tower and DINOv2 (real or seeded random)
+- pruning.towers: the small profiles' trained towers (`qpriv-prune towers`) and `load_encoders`
 - pruning.module: QPrivVL (relevance, sensitivity, fusion, threshold head) and the keep rule
 - pruning.inputs: the encoders' per-sample outputs, computed once and cached
 - pruning.artifacts: the trained module and the oracle table on disk
@@ -22,8 +23,8 @@ from pruning.artifacts import (
 )
 from pruning.encoders import (
     FrozenEncoders,
+    RelevanceReadout,
     build_random_encoders,
-    load_encoders,
     load_pretrained_encoders,
 )
 from pruning.inputs import PruningInputCache
@@ -56,9 +57,16 @@ from pruning.policies import (
 )
 from pruning.profiles import (
     PruningProfile,
+    TowerRecipe,
     get_pruning_profile,
     pruning_profile_names,
     register_pruning_profile,
+)
+from pruning.towers import (
+    TowerSource,
+    load_encoders,
+    load_trained_encoders,
+    train_towers,
 )
 
 __all__ = [
@@ -76,8 +84,11 @@ __all__ = [
     "PruningProfile",
     "QPrivVL",
     "QPrivVLOutput",
+    "RelevanceReadout",
     "ScoredSelector",
     "Selection",
+    "TowerRecipe",
+    "TowerSource",
     "VisualTokenSelector",
     "build_policy",
     "build_qpriv_vl",
@@ -90,6 +101,7 @@ __all__ = [
     "load_encoders",
     "load_oracle",
     "load_pretrained_encoders",
+    "load_trained_encoders",
     "oracle_key",
     "policy_names",
     "pruning_profile_names",
@@ -100,4 +112,5 @@ __all__ = [
     "sensitivity_exclusion_ratios",
     "summarize_exclusion",
     "summarize_keep_counts",
+    "train_towers",
 ]

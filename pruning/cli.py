@@ -1,14 +1,20 @@
-"""`qpriv-prune`: prepare the DTP artefacts (oracle table, trained module) into a folder."""
+"""`qpriv-prune`: prepare the DTP artefacts (oracle table, trained module) into a folder;
+train a small profile's towers (`towers`)."""
 
 import argparse
 import json
 from pathlib import Path
 
 from pruning.prepare import PrepareError, PrepareSettings, prepare_dtp
+from pruning.profiles import get_pruning_profile, pruning_profile_names
+from pruning.towers import REPORT_FILE as TOWERS_REPORT
+from pruning.towers import mini_tower_source, train_towers
 from vlm.loading import ModelNotAvailableError
+from vlm.mini.build import CACHE_ENV
 from vqa import VQADataError
 
 DEFAULTS = PrepareSettings()
+TOWER_PROFILES = [name for name in pruning_profile_names() if get_pruning_profile(name).towers is not None]
 
 
 def _source(text: str) -> tuple[str, str]:
@@ -90,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--direction", default=DEFAULTS.direction, help="smallest (paper) or largest still-correct ratio"
     )
+    prepare.add_argument(
+        "--fixed-scorer",
+        default=DEFAULTS.fixed_scorer,
+        help="pretrained: the oracle's fixed scorer ranks with the trained towers' relevance read-out where the "
+        "profile has them (random Wq/Wk otherwise); random: always random Wq/Wk",
+    )
     prepare.add_argument("--sensitivity-epochs", type=int, default=DEFAULTS.sensitivity_epochs)
     prepare.add_argument("--threshold-epochs", type=int, default=DEFAULTS.threshold_epochs)
     prepare.add_argument("--student-epochs", type=int, default=DEFAULTS.student_epochs)
@@ -98,14 +110,46 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--lambda-ratio", type=float, default=DEFAULTS.lambda_ratio)
     prepare.add_argument("--lambda-mask", type=float, default=DEFAULTS.lambda_mask)
     prepare.add_argument("--quiet", action="store_true", help="no progress bars")
+    towers = commands.add_parser(
+        "towers",
+        help="train a small profile's question and sensitivity towers once (profiles that name towers)",
+        description="Trains the towers of a pruning profile that names them (pruning.towers) against its model "
+        f"build, into the cache root ({CACHE_ENV}); resumable. prepare also builds them on first use.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    towers.add_argument(
+        "--profile",
+        default=next(iter(TOWER_PROFILES), None),
+        choices=TOWER_PROFILES,
+        help="a pruning profile with trained towers",
+    )
+    towers.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
+
+
+def _towers(args: dict, parser: argparse.ArgumentParser) -> None:
+    profile = get_pruning_profile(args["profile"])
+    try:
+        source = mini_tower_source(profile)
+        folder = train_towers(profile, source, progress=not args["quiet"])
+    except ModelNotAvailableError as error:
+        parser.exit(1, f"qpriv-prune towers: {error}\n")
+    report = json.loads((folder / TOWERS_REPORT).read_text())
+    summary = {
+        stage: {name: value for name, value in entry.items() if name != "epoch_losses"}
+        for stage, entry in report["stages"].items()
+    }
+    print(json.dumps(summary, indent=2))
+    print(f"towers of {profile.name} in {folder}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    if args.pop("command") == "towers":
+        _towers(args, parser)
+        return
     out, quiet = args.pop("out"), args.pop("quiet")
-    args.pop("command")
     args["sources"] = dict(args["sources"])
     try:
         # Settings are checked on construction; the bag labels once their sets are read, before any model loads.

@@ -2,12 +2,15 @@
 
 The CLIP text tower turns a question into one vector (the final-layer-norm state at
 its end-of-text token, which is CLIPTextModel's pooled output); DINOv2 turns an image
-into patch features on its own grid. Neither ever trains.
+into patch features on its own grid. Neither trains in QPriv-VL's own stages.
 
 Real weights (`llava-1.5-7b`: openai/clip-vit-large-patch14-336 and facebook/dinov2-small)
 come from a local folder or the local HF cache and fail in milliseconds when missing,
-like vlm.loading. Profiles without hub ids, and random-weight runs, build seeded random
-towers of the same classes; the random text tower reads the decoder's own tokenizer.
+like vlm.loading. Profiles that name `towers` (`mini-scenes`) load towers trained once
+against their model's vision tower (pruning.towers, which also holds `load_encoders`, the
+rule that picks among the three). Other profiles without hub ids, and random-weight runs,
+build seeded random towers of the same classes; the random text tower reads the decoder's
+own tokenizer.
 """
 
 import hashlib
@@ -74,12 +77,57 @@ def dino_config(profile: PruningProfile) -> Dinov2Config:
     return Dinov2Config(**profile.dino)
 
 
+class RelevanceReadout(nn.Module):
+    """A pretrained question-patch pair of QPriv-VL's shapes: Wq0 (Dt -> P) and Wk0 (Dv -> P),
+    bias-free, scoring σ(qᵀWq0ᵀWk0·K/√P) as QPrivVL.relevance does (pruning.towers trains it
+    with the text tower; what CLIP's contrastive training gives the paper's towers)."""
+
+    def __init__(self, profile: PruningProfile) -> None:
+        super().__init__()
+        self.projection_dim = profile.projection_dim
+        self.query_projection = nn.Linear(profile.text_hidden_size, profile.projection_dim, bias=False)
+        self.key_projection = nn.Linear(profile.vision_hidden_size, profile.projection_dim, bias=False)
+
+    def forward(self, vision_patches: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
+        """Relevance logits [B, N] of CLIP patches [B, N, Dv] for question vectors [B, Dt]."""
+        query, keys = self.query_projection(question), self.key_projection(vision_patches)
+        return torch.einsum("bp,bnp->bn", query, keys) / self.projection_dim**0.5
+
+
+def question_token_ids(
+    tokenizer: PreTrainedTokenizerBase, questions: Sequence[str], max_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] (each question as <bos> words <eos>, truncated to `max_length`, padded)
+    and each row's length [B]."""
+    rows = []
+    for question in questions:
+        words = tokenizer(question, add_special_tokens=False)["input_ids"][: max_length - 2]
+        rows.append([tokenizer.bos_token_id, *words, tokenizer.eos_token_id])
+    lengths = torch.tensor([len(row) for row in rows])
+    input_ids = torch.full((len(rows), int(lengths.max())), tokenizer.pad_token_id, dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, : len(row)] = torch.tensor(row)
+    return input_ids, lengths
+
+
+def pooled_question(text_model: CLIPTextModel, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, Dt]: the final-layer state at each row's end-of-text token (gradients flow when enabled)."""
+    device = next(text_model.parameters()).device
+    attention_mask = torch.arange(input_ids.shape[1]) < lengths[:, None]
+    hidden = text_model(input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device)).last_hidden_state
+    # The end-of-text state, located by construction rather than by the config's
+    # eos_token_id (whose legacy value 2 makes CLIP pool at the largest token id).
+    return hidden[torch.arange(len(lengths), device=device), (lengths - 1).to(device)]
+
+
 class FrozenEncoders(nn.Module):
     """Question -> [Dt] vector and image -> [Nd, Dd] DINO patch features, without gradients.
 
     `fingerprint` identifies the exact encoders (tokenizer vocabulary, weights, DINO
     input size): cached inputs and trained artefacts record it, so features made by
-    one pair of encoders are never read as if another had made them.
+    one pair of encoders are never read as if another had made them. Trained towers
+    (pruning.towers) also carry their `relevance_readout` (part of the weights, so of the
+    fingerprint) and `vision_digest`, the digest of the vision tower they were aligned to.
     """
 
     def __init__(
@@ -89,6 +137,9 @@ class FrozenEncoders(nn.Module):
         tokenizer: PreTrainedTokenizerBase,
         dino: Dinov2Model,
         preprocess_images: ImagePreprocessor,
+        *,
+        relevance_readout: RelevanceReadout | None = None,
+        vision_digest: str | None = None,
     ) -> None:
         super().__init__()
         for name, size, expected in (
@@ -103,6 +154,8 @@ class FrozenEncoders(nn.Module):
         self.dino = dino.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.preprocess_images = preprocess_images
+        self.relevance_readout = None if relevance_readout is None else relevance_readout.eval().requires_grad_(False)
+        self.vision_digest = vision_digest
         self.fingerprint = self._fingerprint()
 
     def _device(self) -> torch.device:
@@ -111,23 +164,10 @@ class FrozenEncoders(nn.Module):
     @torch.no_grad()
     def encode_questions(self, questions: Sequence[str]) -> torch.Tensor:
         """[B, Dt]: each question as <bos> words <eos>, truncated to the tower's positions."""
-        tokenizer, max_length = self.tokenizer, self.text_model.config.max_position_embeddings
-        rows = []
-        for question in questions:
-            words = tokenizer(question, add_special_tokens=False)["input_ids"][: max_length - 2]
-            rows.append([tokenizer.bos_token_id, *words, tokenizer.eos_token_id])
-        lengths = torch.tensor([len(row) for row in rows])
-        input_ids = torch.full((len(rows), int(lengths.max())), tokenizer.pad_token_id, dtype=torch.long)
-        for index, row in enumerate(rows):
-            input_ids[index, : len(row)] = torch.tensor(row)
-        attention_mask = torch.arange(input_ids.shape[1]) < lengths[:, None]
-        device = self._device()
-        hidden = self.text_model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.long().to(device)
-        ).last_hidden_state
-        # The end-of-text state, located by construction rather than by the config's
-        # eos_token_id (whose legacy value 2 makes CLIP pool at the largest token id).
-        return hidden[torch.arange(len(rows), device=device), (lengths - 1).to(device)]
+        input_ids, lengths = question_token_ids(
+            self.tokenizer, questions, self.text_model.config.max_position_embeddings
+        )
+        return pooled_question(self.text_model, input_ids, lengths)
 
     @torch.no_grad()
     def encode_images(self, images: Sequence[Image.Image]) -> torch.Tensor:
@@ -216,18 +256,3 @@ def load_pretrained_encoders(
     except OSError as error:
         raise unavailable(dino_owner, profile.dino_hf_id, f"loading {dino_path} failed ({error})", "pruning.dino_source") from error
     return FrozenEncoders(profile, text_model, tokenizer, dino, dino_image_preprocessor(profile.dino_image_size))
-
-
-def load_encoders(
-    profile: PruningProfile,
-    *,
-    tokenizer: PreTrainedTokenizerBase,
-    random_weights: bool,
-    text_source: str | Path | None = None,
-    dino_source: str | Path | None = None,
-) -> FrozenEncoders:
-    """The encoders a run uses: real ones where the profile names checkpoints, unless
-    `random_weights` (a random-weight model gets random encoders too)."""
-    if random_weights or profile.text_hf_id is None or profile.dino_hf_id is None:
-        return build_random_encoders(profile, tokenizer)
-    return load_pretrained_encoders(profile, text_source=text_source, dino_source=dino_source)

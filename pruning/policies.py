@@ -10,7 +10,8 @@ tokens' activations do.
 - fixed: the same ρ for every sample, ranked by QPriv-VL's fused score c. The scorer is
   the trained module in `pruning.artifacts` when one is given (so fixed ratios and DTP
   differ only in how many patches they keep), otherwise a seeded untrained module —
-  the kind of fixed random scorer the oracle search uses.
+  the kind of fixed random scorer the oracle search uses (with trained towers, its Wq/Wk
+  are their pretrained relevance read-out, as the oracle's are: pruning.towers).
 - dtp: the trained module's own ρ̂ and ranking (artefact `dtp.pt`).
 - oracle: each sample's ρ* from the prepared table (artefact `oracle.pt`), ranked by the
   scorer that table was searched with.
@@ -32,10 +33,11 @@ from pruning.artifacts import (
     load_oracle,
     oracle_key,
 )
-from pruning.encoders import FrozenEncoders, load_encoders
+from pruning.encoders import FrozenEncoders
 from pruning.inputs import PruningInputCache
 from pruning.module import QPrivVL, QPrivVLOutput, build_qpriv_vl, keep_indices
 from pruning.profiles import PruningProfile, get_pruning_profile
+from pruning.towers import adopt_readout, load_encoders
 from vqa import VQASample
 
 
@@ -220,6 +222,8 @@ def _build_fixed(context: PolicyContext) -> VisualTokenSelector:
     encoders, inputs = _prepared_inputs(profile, context)
     if folder is None:
         scorer = build_qpriv_vl(profile, seed=context.seed, alpha=context.alpha, beta=context.beta).eval()
+        # Trained towers come with their pretrained relevance pair, which prepare's fixed scorer also ranks with.
+        adopt_readout(scorer, encoders)
     else:
         scorer = load_dtp(folder, profile, encoders, alpha=context.alpha, beta=context.beta)
     return ScoredSelector(scorer.to(context.device), inputs, FixedRatio(context.ratio))

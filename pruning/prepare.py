@@ -8,7 +8,10 @@ text tower and DINOv2 (`text_source`, `dino_source`), or seeded random weights r
 word tokenizer over the preparation's samples (vlm.mini.tokenizer.build_sample_tokenizer, the
 rule every run applies). Absent real weights fail before any data loads.
 
-1. oracle: a fixed, randomly initialised scorer (seed `seed`) ranks each sample's patches;
+1. oracle: a fixed, randomly initialised scorer (seed `seed`) ranks each sample's patches
+   (with encoders that carry a pretrained relevance read-out — a profile's trained towers,
+   pruning.towers — its Wq/Wk are that read-out's unless `fixed_scorer` is "random": the
+   pretrained pair is what makes a small profile's question relevance mean anything);
    for ρ in the grid, scanned in `direction` order ("smallest": small to large, the
    paper's text; "largest": large to small), the model answers with the top-k kept;
    ρ* is the first ρ whose answer still matches the gold answer (first-token substring
@@ -50,10 +53,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from pruning.artifacts import oracle_key, save_dtp, save_oracle
-from pruning.encoders import FrozenEncoders, encoder_checkpoints, load_encoders, update_with_weights
+from pruning.encoders import FrozenEncoders, encoder_checkpoints, update_with_weights
 from pruning.inputs import PruningInputCache
 from pruning.module import GAMMA_INIT, QPrivVL, build_qpriv_vl, keep_count, keep_indices
 from pruning.profiles import PruningProfile, get_pruning_profile, pruning_profile_names
+from pruning.towers import adopt_readout, load_encoders, needed_mask, relevance_recall, vision_digest
 from vlm.answering import VisualTokenTransform, answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.loading import (
@@ -76,14 +80,20 @@ from vqa import (
     dataset_names,
     first_token_substring_match,
     get_adapter,
+    is_stamped,
     load_privacy_bags,
     load_vqa,
+    mark_patches,
+    mark_records,
     privacy_bag_names,
 )
 from vqa.registry import select_rows
 
 ORACLE_GRID = (0.10, 0.20, 0.30, 0.50, 0.70)
 DIRECTIONS = ("smallest", "largest")
+# The fixed scorer's Wq/Wk: "pretrained" takes the encoders' relevance read-out where they have
+# one (trained towers) and stays random otherwise; "random" always stays random.
+FIXED_SCORERS = ("pretrained", "random")
 # ρ* of a sample no grid ratio kept correct: prune to the k_min floor.
 NO_MATCH_RATIO = 1.0
 # "vqa": the trained VQA model answers the oracle (mini's build, LLaVA-1.5's checkpoint);
@@ -140,6 +150,7 @@ class PrepareSettings:
     bag_samples: int = 3000
     grid: tuple[float, ...] = ORACLE_GRID
     direction: str = "smallest"
+    fixed_scorer: str = "pretrained"
     sensitivity_epochs: int = 10
     threshold_epochs: int = 20
     student_epochs: int = 20
@@ -232,6 +243,7 @@ class PrepareSettings:
         for ratio in self.grid:
             require(0 < ratio < 1, "--grid", ratio, f"0 < ρ < 1 (ρ* = {NO_MATCH_RATIO} means no ratio matched)")
         require(self.direction in DIRECTIONS, "--direction", self.direction, ", ".join(DIRECTIONS))
+        require(self.fixed_scorer in FIXED_SCORERS, "--fixed-scorer", self.fixed_scorer, ", ".join(FIXED_SCORERS))
         require(self.lr > 0, "--lr", self.lr, "a number > 0")
         for option, value in (("--lambda-ratio", self.lambda_ratio), ("--lambda-mask", self.lambda_mask)):
             require(math.isfinite(value) and value >= 0, option, value, "a finite number >= 0")
@@ -432,7 +444,7 @@ def check_weights(settings: PrepareSettings) -> None:
     profile = get_pruning_profile(settings.profile)
     try:
         locate_weights(profile.model, stage=settings.model_stage, source=settings.model_source or None)
-        if not _random_encoders(settings):
+        if not _random_encoders(settings) and profile.towers is None:
             encoder_checkpoints(
                 profile, text_source=settings.text_source or None, dino_source=settings.dino_source or None
             )
@@ -444,9 +456,12 @@ def check_weights(settings: PrepareSettings) -> None:
 
 
 def _random_encoders(settings: PrepareSettings) -> bool:
-    """Random encoders go with a random-weight model, and with profiles that name no real encoders."""
+    """Random encoders go with a random-weight model, and with profiles that name neither real
+    encoders nor trained towers (pruning.towers)."""
     profile = get_pruning_profile(settings.profile)
-    return uses_random_weights(profile.model, settings.model_stage) or None in (profile.text_hf_id, profile.dino_hf_id)
+    if uses_random_weights(profile.model, settings.model_stage):
+        return True
+    return profile.towers is None and None in (profile.text_hf_id, profile.dino_hf_id)
 
 
 def load_answering_model(settings: PrepareSettings, samples: Sequence[VQASample]) -> ModelBundle:
@@ -499,7 +514,15 @@ def load_frozen_inputs(settings: PrepareSettings, data: PreparationData, *, prog
         random_weights=_random_encoders(settings),
         text_source=settings.text_source or None,
         dino_source=settings.dino_source or None,
+        build_towers=True,
+        progress=progress,
     ).to(settings.device)
+    if encoders.vision_digest is not None and encoders.vision_digest != vision_digest(model):
+        raise ValueError(
+            f"the trained towers of pruning profile {profile.name!r} were aligned to another vision tower "
+            f"({encoders.vision_digest}) than the answering model's ({vision_digest(model)}); rebuild the model "
+            "or the towers so that they match"
+        )
     vision = VisionFeatureCache(model, bundle.preprocess_images)
     vision.add(samples, progress=progress)
     pruning = PruningInputCache(encoders)
@@ -655,6 +678,48 @@ def bag_accuracy(teacher: QPrivVL, frozen: FrozenInputs, bags: Sequence[BagImage
         groups[f"set/{bag.dataset}"].append(correct)
         groups["private" if bag.label == PRIVATE else "public"].append(correct)
     return {name: {"accuracy": sum(hits) / len(hits), "count": len(hits)} for name, hits in groups.items()}
+
+
+def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """The area under the ROC curve of `scores` for boolean `labels` (Mann-Whitney, ties
+    counted half); None when either class is empty."""
+    scores, labels = scores.double().flatten(), labels.bool().flatten()
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if not positives or not negatives:
+        return None
+    ordered, order = scores.sort()
+    _, inverse, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    ranks = torch.empty_like(scores)
+    ranks[order] = ((ends - counts + 1 + ends) / 2)[inverse]
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def mark_ranking(teacher: QPrivVL, frozen: FrozenInputs, bags: Sequence[BagImage], split: str) -> dict[str, Any]:
+    """Where bag images come from a stamped dataset (their marks recorded): how well H_sens
+    ranks the patches that hold a mark above every other patch of those images, as the AUROC
+    of its DINO-grid map (the labels it never saw, only its bag labels); {} otherwise."""
+    stamped = {name for name in {bag.dataset for bag in bags} if name in dataset_names() and is_stamped(name)}
+    rows = [row for row, bag in enumerate(bags) if bag.dataset in stamped]
+    if not rows:
+        return {}
+    marks = {image_id: mark for name in sorted(stamped) for image_id, mark in mark_records(name, split).items()}
+    profile = frozen.profile
+    with torch.no_grad():
+        sensitivity = teacher.patch_sensitivity(frozen.bag_patches[split][rows])
+    labels = torch.zeros_like(sensitivity, dtype=torch.bool)
+    for index, row in enumerate(rows):
+        mark = marks.get(bags[row].id)
+        if mark is not None:
+            labels[index, list(mark_patches(mark, profile.dino_image_size, profile.dino["patch_size"]))] = True
+    return {
+        "mark_auroc": {
+            "auroc": auroc(sensitivity, labels),
+            "images": len(rows),
+            "patches": labels.numel(),
+            "mark_patches": int(labels.sum()),
+        }
+    }
 
 
 def ratio_fit(
@@ -827,6 +892,7 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
     identity = {"profile": profile.name, "model": frozen.model_fingerprint, "encoders": frozen.encoders.fingerprint}
 
     scorer = build_qpriv_vl(profile, seed=settings.seed, alpha=settings.alpha, beta=settings.beta).eval()
+    pretrained_scorer = settings.fixed_scorer == "pretrained" and adopt_readout(scorer, frozen.encoders)
     oracle = cache.run(
         "oracle",
         {
@@ -838,6 +904,8 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
             "scorer_seed": settings.seed,
             "alpha": settings.alpha,
             "beta": settings.beta,
+            # Only where it applies, so that every earlier preparation keeps its key.
+            **({"scorer_projections": "pretrained read-out"} if pretrained_scorer else {}),
         },
         lambda: run_oracle(settings, data, frozen, scorer, progress),
     )
@@ -905,7 +973,11 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
         "stages": {
             "oracle": _stage_report(oracle, oracle_metrics),
             "sensitivity": _stage_report(
-                sensitivity, {"bag_accuracy": bag_accuracy(teacher, frozen, data.bags[BAG_TEST_SPLIT], BAG_TEST_SPLIT)}
+                sensitivity,
+                {
+                    "bag_accuracy": bag_accuracy(teacher, frozen, data.bags[BAG_TEST_SPLIT], BAG_TEST_SPLIT),
+                    **mark_ranking(teacher, frozen, data.bags[BAG_TEST_SPLIT], BAG_TEST_SPLIT),
+                },
             ),
             "threshold": _stage_report(threshold, {"fit_to_oracle": fits(teacher, frozen, data, oracle.record)}),
             "student": _stage_report(
@@ -914,12 +986,33 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
                     "fit_to_oracle": fits(dtp, frozen, data, oracle.record),
                     "fit_to_teacher": student.record["fit_to_teacher"],
                     "gamma": student.record["gamma"],
+                    **relevance_report({"fixed_scorer": scorer, "student": dtp}, frozen, data),
                 },
             ),
         },
+        "fixed_scorer": "pretrained read-out" if pretrained_scorer else "random",
         "seconds": round(time.perf_counter() - started, 2),
     }
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def relevance_report(
+    modules: Mapping[str, QPrivVL], frozen: FrozenInputs, data: PreparationData
+) -> dict[str, Any]:
+    """Where the data knows what each question needs (`needed_boxes`): how many needed patches
+    each module's relevance u puts in its top k at the question oracle's budget (k = the
+    needed count; pruning.towers.relevance_recall), on the training and held-out samples."""
+    report: dict[str, Any] = {}
+    for part, samples in (("training", data.training), ("held_out", data.held_out)):
+        samples = [sample for sample in samples if sample.needed_boxes]
+        if not samples:
+            continue
+        model = frozen.profile.model
+        needed = needed_mask(samples, [sample.image for sample in samples], model.image_size, model.patch_size)
+        for name, module in modules.items():
+            relevance = in_batches(samples, lambda batch, module=module: module.relevance(*frozen.batch(batch)[:2]))
+            report.setdefault("relevance_recall", {}).setdefault(name, {})[part] = relevance_recall(relevance, needed)
     return report
 
 

@@ -20,6 +20,39 @@ SENSITIVITY_SUMMARY_SIZE = 3
 
 
 @dataclass(frozen=True)
+class TowerRecipe:
+    """How a small profile's question and sensitivity towers are trained (pruning.towers).
+
+    The text tower (CLIP-T's stand-in) learns, jointly with a relevance read-out of QPriv-VL's
+    shapes (Wq0: Dt -> P, Wk0: Dv -> P), to score the frozen CLIP-V patch rows of the model's
+    vision tower against the patches each question needs (`dataset`'s `needed_boxes`), with
+    binary cross-entropy: the question-patch alignment CLIP's contrastive training gives the
+    paper's scorer (plus `text_listwise` times a listwise ranking term). The DINO stand-in learns self-supervised per-patch content: each patch's
+    pixels reconstructed from its own output row (denoised from inputs with `dino_noise` std
+    Gaussian noise). No privacy label enters either; privacy is learned only by H_sens from
+    bag labels, as in the paper. Every number here enters the build's cache key.
+    """
+
+    dataset: str = "scenes-stamped"
+    split: str = "train"
+    # Training samples of `dataset` (0: the whole split), a seeded subset as load_vqa draws it.
+    samples: int = 0
+    seed: int = 0
+    text_epochs: int = 60
+    text_lr: float = 5e-3
+    text_batch_size: int = 256
+    # Weight of a listwise term beside the BCE: cross-entropy of the softmax over an image's
+    # patches, averaged over the needed ones (the ranking the top-k keep reads).
+    text_listwise: float = 0.5
+    dino_epochs: int = 30
+    dino_lr: float = 2e-3
+    dino_batch_size: int = 64
+    dino_noise: float = 0.1
+    # Torch threads while training: the same count gives the same towers.
+    threads: int = 1
+
+
+@dataclass(frozen=True)
 class PruningProfile:
     """Sizes of QPriv-VL for one model profile.
 
@@ -27,8 +60,10 @@ class PruningProfile:
     text vocabulary is not among them because a random tower reads the decoder's
     tokenizer (its size is only known once that exists). `dino_image_size` is what
     images are resized to for DINOv2, so its grid is dino_image_size // patch_size.
-    `text_hf_id`/`dino_hf_id` name real checkpoints; a profile without them only ever
-    builds its seeded random encoders (from `encoder_seed`).
+    `text_hf_id`/`dino_hf_id` name real checkpoints; a profile without them builds its
+    seeded random encoders (from `encoder_seed`), unless it names `towers`: then its two
+    towers are trained once against its model's vision tower (pruning.towers) and loaded
+    from that build.
     """
 
     name: str
@@ -41,6 +76,7 @@ class PruningProfile:
     text_hf_id: str | None = None
     dino_hf_id: str | None = None
     encoder_seed: int = 0
+    towers: TowerRecipe | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +208,17 @@ MINI = register_pruning_profile(
 # demonstrations) have the mini's encoders.
 MINI_POSITIONAL = register_pruning_profile(dataclasses.replace(MINI, name="mini-positional"))
 MINI_INTERLEAVED = register_pruning_profile(dataclasses.replace(MINI, name="mini-interleaved"))
+# The scene testbed's towers are trained (pruning.towers): random towers rank nothing, and the
+# testbed measures question-guided, privacy-aware ranking.
+MINI_SCENES = register_pruning_profile(
+    dataclasses.replace(
+        MINI,
+        name="mini-scenes",
+        towers=TowerRecipe(),
+        description="The mini's sizes with trained towers: a question tower aligned to the local CLIP-V rows "
+        "of the mini-scenes model, and a DINO stand-in pretrained on per-patch content",
+    )
+)
 
 TINY = register_pruning_profile(
     PruningProfile(

@@ -285,7 +285,12 @@ def test_an_interrupted_stage_is_not_taken_for_finished(tmp_path):
         (["--grid", "0.1", "0.1"], "--grid=(0.1, 0.1) is not allowed; allowed: each ratio once"),
         (["--dataset", "easyvqa", "nope"], "--dataset='nope' is not allowed; allowed: easyvqa, easyvqa-stamped"),
         (["--bags", "mnist", "faces"], "--bags='faces' is not allowed; allowed: celeba, cifar10"),
-        (["--profile", "tiny"], "--profile='tiny' is not allowed; allowed: llava-1.5-7b, mini, mini-interleaved, mini-positional with --model-stage vqa"),
+        (
+            ["--profile", "tiny"],
+            "--profile='tiny' is not allowed; allowed: llava-1.5-7b, mini, mini-interleaved, mini-positional, "
+            "mini-scenes with --model-stage vqa",
+        ),
+        (["--fixed-scorer", "clever"], "--fixed-scorer='clever' is not allowed; allowed: pretrained, random"),
         (["--model-source", "/llava"], "--model-source='/llava' is not allowed; allowed: '' (profile 'mini' at"),
         (["--profile", "llava-1.5-7b", "--dtype", "fp8"], "--dtype='fp8' is not allowed; allowed: fp32, bf16, fp16"),
         (["--device", "abacus"], "--device='abacus' is not allowed; allowed: a torch device"),
