@@ -350,7 +350,8 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
 
 
 def test_the_shipped_sweeps_validate(tmp_path):
-    for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "smoke"):
+    for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "smoke",
+                 "memorisation"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
