@@ -9,9 +9,10 @@ setup:
 test: setup
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
+# The scene testbed's weights ship with the code: `build` installs them (digest checked) in seconds.
 run: setup
-	.venv/bin/qpriv-mini build
-	.venv/bin/python -m sims.launch sims/usl_easyvqa
+	.venv/bin/qpriv-mini --profile mini-scenes build
+	.venv/bin/python -m sims.launch sims/usl_scenes
 
 mini-targets: setup
 	.venv/bin/python benchmarks/mini_targets.py
