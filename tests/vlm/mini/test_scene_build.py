@@ -12,18 +12,25 @@ from vlm.mini import build as build_module
 from vlm.mini.build import MiniFolder, ShippedWeightsCorrupt, ship, weights_digest, weights_identity
 from vlm.profiles import get_profile
 from vlm.segments import vision_features
-from vqa import SceneSpec, dataset_names, get_adapter, register_dataset
+from vqa import SceneSpec, get_adapter, registry
 from vqa.adapters.scenes import ScenesAdapter
 
 DATASET = "scenes-build-test"
-if DATASET not in dataset_names():
-    register_dataset(ScenesAdapter(DATASET, SceneSpec(images=(("train", 16), ("aux", 2), ("test", 4)), stamp_share=0.5)))
 QUICK = SceneRecipe(dataset=DATASET, vision_steps=2, vision_batch_size=4, base_steps=2, base_batch_size=2,
                     base_subset_batch_size=2, vqa_steps=2)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_scenes():
+    # Registered for this module only: the registry's listing is asserted elsewhere.
+    with pytest.MonkeyPatch.context() as patch:
+        spec = SceneSpec(images=(("train", 16), ("aux", 2), ("test", 4)), stamp_share=0.5)
+        patch.setitem(registry._ADAPTERS, DATASET, ScenesAdapter(DATASET, spec))
+        yield
+
+
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tmp_path_factory, small_scenes):
     root = tmp_path_factory.mktemp("cache")
     return build_mini(QUICK, root=root, progress=False), root
 
