@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -142,6 +143,27 @@ def _reinitialise_language_side(model: torch.nn.Module, fresh: torch.nn.Module) 
         getattr(parts, name).load_state_dict(getattr(fresh_parts, name).state_dict())
 
 
+def _stage(folder: MiniFolder, report: dict, name: str, output: Path, work: Callable[[], dict],
+           load: Callable[[Path], object] | None = None) -> None:
+    """Run one build stage unless its output exists (then `load` it): a stopped build resumes at
+    the stage it stopped in, and each stage's seconds and outcome reach build.json when it ends."""
+    if output.exists():
+        if load is not None:
+            load(output)
+        return
+    started = time.perf_counter()
+    outcome = work()
+    report["stages"][name] = {"seconds": round(time.perf_counter() - started, 1), **outcome}
+    folder.write_report(report)
+
+
+def _finish(folder: MiniFolder, report: dict) -> MiniFolder:
+    report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
+    report["weights_digest"] = weights_digest(folder)
+    folder.write_report(report)
+    return folder
+
+
 def build_mini(
     recipe: MiniRecipe | SceneRecipe = MiniRecipe(), *, root: Path | None = None, progress: bool = True,
     from_scratch: bool = False,
@@ -159,13 +181,6 @@ def build_mini(
     report = folder.read_report()
     report["recipe"] = asdict(recipe)
     torch.manual_seed(recipe.seed)
-
-    def timed(stage: str, work: Callable[[], dict]) -> None:
-        started = time.perf_counter()
-        outcome = work()
-        report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), **outcome}
-        folder.write_report(report)
-
     train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")
     if not folder.tokenizer.is_dir():
         texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for s in train]
@@ -176,76 +191,59 @@ def build_mini(
     preprocess = clip_image_preprocessor(MINI.image_size)
     attributes = image_attributes(train)
 
-    if folder.vision.is_file():
-        load_weights_into(model, folder.vision)
-    else:
+    def vision_stage() -> dict:
         image_ids = sorted(attributes)
         first_sample = {s.image_id: s for s in reversed(train)}
+        pixels = preprocess([first_sample[i].image for i in image_ids])
+        loss = pretrain_vision(model, pixels, [attributes[i] for i in image_ids], recipe, progress=progress)
+        save_model(model, folder.vision)
+        return {"final_loss": loss}
 
-        def vision_stage() -> dict:
-            pixels = preprocess([first_sample[i].image for i in image_ids])
-            loss = pretrain_vision(model, pixels, [attributes[i] for i in image_ids], recipe, progress=progress)
-            save_model(model, folder.vision)
-            return {"final_loss": loss}
-
-        timed("vision", vision_stage)
-
+    _stage(folder, report, "vision", folder.vision, vision_stage, load=partial(load_weights_into, model))
     features = VisionFeatureCache(model, preprocess)
-    if folder.features.is_file():
-        features.load(folder.features)
-    else:
 
-        def feature_stage() -> dict:
-            features.add([*train, *test], progress=progress)
-            features.save(folder.features)
-            return {}
+    def feature_stage() -> dict:
+        features.add([*train, *test], progress=progress)
+        features.save(folder.features)
+        return {}
 
-        timed("features", feature_stage)
+    _stage(folder, report, "features", folder.features, feature_stage, load=features.load)
 
-    if folder.base.is_file():
-        load_weights_into(model, folder.base)
-    else:
+    def base_stage() -> dict:
+        attempts = []
+        for seed in range(recipe.seed, recipe.seed + recipe.base_attempts):
+            if seed != recipe.seed:
+                _reinitialise_language_side(model, _new_model(tokenizer, seed))
+            try:
+                attempt = train_base(model, tokenizer, features, train, recipe, seed=seed, progress=progress)
+            except BaseComparisonStalled as stalled:
+                attempts.append(asdict(stalled.attempt))
+                retry = seed < recipe.seed + recipe.base_attempts - 1
+                next_step = "starting again from a fresh initialisation" if retry else "no tries left"
+                tqdm.write(f"{stalled}; {next_step}")
+                continue
+            attempts.append(asdict(attempt))
+            save_model(model, folder.base)
+            return {"final_loss": attempt.final_loss, "attempts": attempts}
+        return {"attempts": attempts}
 
-        def base_stage() -> dict:
-            attempts = []
-            for seed in range(recipe.seed, recipe.seed + recipe.base_attempts):
-                if seed != recipe.seed:
-                    _reinitialise_language_side(model, _new_model(tokenizer, seed))
-                try:
-                    attempt = train_base(model, tokenizer, features, train, recipe, seed=seed, progress=progress)
-                except BaseComparisonStalled as stalled:
-                    attempts.append(asdict(stalled.attempt))
-                    retry = seed < recipe.seed + recipe.base_attempts - 1
-                    next_step = "starting again from a fresh initialisation" if retry else "no tries left"
-                    tqdm.write(f"{stalled}; {next_step}")
-                    continue
-                attempts.append(asdict(attempt))
-                save_model(model, folder.base)
-                return {"final_loss": attempt.final_loss, "attempts": attempts}
-            return {"attempts": attempts}
+    _stage(folder, report, "base", folder.base, base_stage, load=partial(load_weights_into, model))
+    if not folder.base.is_file():
+        last_seed = recipe.seed + recipe.base_attempts - 1
+        raise MiniBuildFailed(
+            f"the base stage did not learn to compare a named attribute with the image in "
+            f"base_attempts={recipe.base_attempts} attempts (seeds {recipe.seed}..{last_seed}; each one's checks "
+            f"are in {folder.report}). The vision stage is kept in {folder.path}; from Python, build a recipe "
+            "with more attempts or another seed, e.g. build_mini(MiniRecipe(base_attempts=5))."
+        )
 
-        timed("base", base_stage)
-        if not folder.base.is_file():
-            last_seed = recipe.seed + recipe.base_attempts - 1
-            raise MiniBuildFailed(
-                f"the base stage did not learn to compare a named attribute with the image in "
-                f"base_attempts={recipe.base_attempts} attempts (seeds {recipe.seed}..{last_seed}; each one's checks "
-                f"are in {folder.report}). The vision stage is kept in {folder.path}; from Python, build a recipe "
-                "with more attempts or another seed, e.g. build_mini(MiniRecipe(base_attempts=5))."
-            )
+    def vqa_stage() -> dict:
+        peft_model, loss = train_vqa_lora(model, tokenizer, features, list(train), recipe, progress=progress)
+        save_file(get_peft_model_state_dict(peft_model), folder.lora)
+        return {"final_loss": loss}
 
-    if not folder.lora.is_file():
-
-        def vqa_stage() -> dict:
-            peft_model, loss = train_vqa_lora(model, tokenizer, features, list(train), recipe, progress=progress)
-            save_file(get_peft_model_state_dict(peft_model), folder.lora)
-            return {"final_loss": loss}
-
-        timed("vqa", vqa_stage)
-    report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
-    report["weights_digest"] = weights_digest(folder)
-    folder.write_report(report)
-    return folder
+    _stage(folder, report, "vqa", folder.lora, vqa_stage)
+    return _finish(folder, report)
 
 
 def _complete(folder: MiniFolder) -> bool:
@@ -267,12 +265,6 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
         if spec.image_size != MINI_SCENES.image_size:
             raise ValueError(f"{recipe.dataset} images are {spec.image_size} px; the model reads {MINI_SCENES.image_size}")
 
-        def timed(stage: str, work: Callable[[], dict]) -> None:
-            started = time.perf_counter()
-            outcome = work()
-            report["stages"][stage] = {"seconds": round(time.perf_counter() - started, 1), **outcome}
-            folder.write_report(report)
-
         splits = {split: load_vqa(recipe.dataset, split) for split in spec.splits}
         if not folder.tokenizer.is_dir():
             texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for rows in splits.values() for s in rows]
@@ -280,55 +272,44 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
         model = _new_model(tokenizer, recipe.seed, MINI_SCENES)
         preprocess = clip_image_preprocessor(MINI_SCENES.image_size)
-        if folder.vision.is_file():
-            load_weights_into(model, folder.vision)
-        else:
 
-            def vision_stage() -> dict:
-                scenes = split_scenes(spec, "train")
-                pixels = preprocess([scene.render() for scene in scenes])
-                labels = patch_labels(scenes, spec, MINI_SCENES.patch_size)
-                loss = pretrain_scene_vision(model, pixels, labels, spec, recipe, progress=progress)
-                save_model(model, folder.vision)
-                return {"final_loss": loss}
+        load = partial(load_weights_into, model)
 
-            timed("vision", vision_stage)
+        def vision_stage() -> dict:
+            scenes = split_scenes(spec, "train")
+            pixels = preprocess([scene.render() for scene in scenes])
+            labels = patch_labels(scenes, spec, MINI_SCENES.patch_size)
+            loss = pretrain_scene_vision(model, pixels, labels, spec, recipe, progress=progress)
+            save_model(model, folder.vision)
+            return {"final_loss": loss}
+
+        _stage(folder, report, "vision", folder.vision, vision_stage, load=load)
         features = VisionFeatureCache(model, preprocess)
-        if folder.features.is_file():
-            features.load(folder.features)
-        else:
 
-            def feature_stage() -> dict:
-                features.add([s for rows in splits.values() for s in rows], progress=progress)
-                features.save(folder.features)
-                return {}
+        def feature_stage() -> dict:
+            features.add([s for rows in splits.values() for s in rows], progress=progress)
+            features.save(folder.features)
+            return {}
 
-            timed("features", feature_stage)
+        _stage(folder, report, "features", folder.features, feature_stage, load=features.load)
         train = list(splits["train"])
-        if folder.base.is_file():
-            load_weights_into(model, folder.base)
-        else:
 
-            def base_stage() -> dict:
-                _, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="base", progress=progress)
-                save_model(model, folder.base)
-                return {"final_loss": loss}
+        def base_stage() -> dict:
+            _, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="base", progress=progress)
+            save_model(model, folder.base)
+            return {"final_loss": loss}
 
-            timed("base", base_stage)
-        if not folder.lora.is_file():
+        _stage(folder, report, "base", folder.base, base_stage, load=load)
 
-            def vqa_stage() -> dict:
-                peft_model, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="vqa", progress=progress)
-                save_file(get_peft_model_state_dict(peft_model), folder.lora)
-                return {"final_loss": loss}
+        def vqa_stage() -> dict:
+            peft_model, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="vqa", progress=progress)
+            save_file(get_peft_model_state_dict(peft_model), folder.lora)
+            return {"final_loss": loss}
 
-            timed("vqa", vqa_stage)
+        _stage(folder, report, "vqa", folder.lora, vqa_stage)
     finally:
         torch.set_num_threads(threads)
-    report["total_seconds"] = round(sum(s["seconds"] for s in report["stages"].values()), 1)
-    report["weights_digest"] = weights_digest(folder)
-    folder.write_report(report)
-    return folder
+    return _finish(folder, report)
 
 
 def weights_digest(folder: MiniFolder) -> str:
