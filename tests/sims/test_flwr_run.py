@@ -31,7 +31,7 @@ RAY_PORT = 6391
 def flwr_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("flwr-home")
     saved = {k: os.environ.get(k) for k in ("FLWR_HOME", "FLWR_LOCAL_CONTROL_API_PORT", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")}
-    os.environ.update(FLWR_HOME=str(home), FLWR_LOCAL_CONTROL_API_PORT="39293", FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39294")
+    os.environ.update(FLWR_HOME=str(home), FLWR_LOCAL_CONTROL_API_PORT="29293", FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="29294")
     yield home
     stop_local_superlink(home)
     for key, value in saved.items():
@@ -214,8 +214,8 @@ def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypat
     )
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{RAY_PORT}")
     monkeypatch.setenv("FLWR_HOME", str(home))
-    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", "39693")
-    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "39694")
+    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", "29693")
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "29694")
     try:
         overrides = {
             "model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "train.rounds": 1,
