@@ -10,16 +10,25 @@ finished without every client (3, unless --allow-partial):
 Before Flower starts, everything the run can check here is checked (`preflight`): the config's
 values, the run folder it would resume, the data it would load, the device and the number of
 SuperNodes; a problem is one line naming the key, the value and what is allowed (exit 2).
+
+`flwr run` starts a local SuperLink on first use and leaves it running; the launcher stops the
+one it caused to start when the run ends, fails or is interrupted (Ctrl-C, SIGTERM). A SuperLink
+that was already running is left as it is, and the launcher says so, with how to stop it.
 """
 
 import argparse
+import fcntl
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import threading
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +183,10 @@ def launch(
     app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
     """Run the app after its preflight (the SuperNodes default to clients.count); returns
-    (status.json contents, run folder, the finished `flwr run` process)."""
+    (status.json contents, run folder, the finished `flwr run` process).
+
+    The local SuperLink `flwr run` starts for it is stopped when `flwr run` returns, raises or
+    is interrupted, unless an enclosing `LocalSuperLink` context holds it for more runs."""
     config = preflight(app_dir, overrides, federation_config)
     if supernodes(federation_config) is None:
         federation_config = f"{NUM_SUPERNODES}={config.clients.count} {federation_config}".strip()
@@ -184,7 +196,9 @@ def launch(
     command = ["flwr", "run", str(app_dir), "--stream", "--federation-config", federation_config]
     if overrides:
         command += ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=simulation_environment())
+    environment = simulation_environment()
+    with LocalSuperLink(environment):
+        process = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment)
     if not status_file.exists() or status_file.stat().st_mtime_ns == previous:
         status = {"state": "unknown", "error": f"the run wrote no status to {status_file}; flwr said:\n{process.stdout[-3000:]}{process.stderr[-3000:]}"}
     else:
@@ -196,21 +210,182 @@ def launch(
     return status, folder, process
 
 
-def stop_local_superlink(flwr_home: str | Path) -> list[int]:
-    """Stop the local SuperLink `flwr run` started for `flwr_home` (it outlives `flwr run`).
+# flwr.cli.constant's default for FLWR_LOCAL_SUPERLINK_HTTP_API_PORT.
+LOCAL_SUPERLINK_PORT = "39091"
+SUPERLINK_STOP_S = 30.0
 
-    Found by its command line, which names its log file under `flwr_home`; returns the stopped ids.
+
+def _superlinks(flwr_home: str | Path, port: str | None = None) -> list[int]:
+    """Ids of the local SuperLinks `flwr run` started for `flwr_home` (and `port`, if given).
+
+    `flwr run` starts it detached as `flower-superlink ... --port PORT --log-file
+    FLWR_HOME/local-superlink/superlink.log` (flwr.cli.local_superlink), so its command line
+    names both; nothing else records its id.
     """
-    stopped = []
+    log_file = str(Path(flwr_home) / "local-superlink" / "superlink.log")
+    found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:  # the process ended meanwhile
             continue
-        if "flower-superlink" in args and str(flwr_home) in args:
-            os.kill(int(cmdline.parent.name), signal.SIGTERM)
-            stopped.append(int(cmdline.parent.name))
+        if not any(Path(arg).name == "flower-superlink" for arg in args[:2]):
+            continue
+        options = dict(zip(args, args[1:]))
+        if options.get("--log-file") == log_file and (port is None or options.get("--port") == port):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def _stop(pid: int, timeout_s: float = SUPERLINK_STOP_S) -> None:
+    """SIGTERM (the SuperLink then stops its SuperExec and the run's processes), SIGKILL if it
+    is still there after `timeout_s`; returns once it has exited.
+
+    Through a pidfd where Linux has one: the signal cannot reach a process that took over the
+    id, and its exit is an event to wait on rather than a state to poll.
+    """
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (old kernel or another OS)
+        handle = None
+    try:
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, timeout_s)):
+            try:
+                if handle is None:
+                    os.kill(pid, sig)
+                else:
+                    signal.pidfd_send_signal(handle, sig)
+            except (ProcessLookupError, PermissionError):  # gone, or another user's
+                return
+            if _exited(pid, handle, wait_s):
+                return
+    finally:
+        if handle is not None:
+            os.close(handle)
+
+
+def _exited(pid: int, handle: int | None, timeout_s: float) -> bool:
+    if handle is not None:
+        poller = select.poll()
+        poller.register(handle, select.POLLIN)  # readable once the process has exited
+        return bool(poller.poll(timeout_s * 1000))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True  # a zombie: its command line reads empty
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stop_local_superlink(flwr_home: str | Path) -> list[int]:
+    """Stop every local SuperLink `flwr run` started for `flwr_home`, whatever its port, and wait
+    for each to exit; returns their ids."""
+    stopped = _superlinks(flwr_home)
+    for pid in stopped:
+        _stop(pid)
     return stopped
+
+
+class LocalSuperLink:
+    """The local SuperLink that `flwr run` starts on first use, detached, and leaves running.
+
+    Used as a context around `flwr run`s: on exit it stops the SuperLink a launcher started for
+    this FLWR_HOME and port, whether the run finished, failed or was interrupted. Launchers share
+    it, as `flwr run`s do: each open context holds a shared lock on `LOCK_FILE` beside
+    the SuperLink's log, the SuperLinks that appeared while a context was open are listed in
+    `STARTED_FILE`, and the last context to close stops them; so a sweep's context holds one
+    SuperLink across its points, and a second launcher's run is not cut short by the first's end.
+    A SuperLink that no launcher started (a plain `flwr run`'s, the user's) is left running:
+    `notice()` says so and how to stop it.
+    """
+
+    LOCK_FILE = "launchers.lock"
+    STARTED_FILE = "launcher-started.json"
+
+    def __init__(self, environment: dict[str, str] | None = None):
+        environment = os.environ if environment is None else environment
+        self.home = Path(environment.get("FLWR_HOME") or Path.home() / ".flwr")
+        self.port = environment.get("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT") or LOCAL_SUPERLINK_PORT
+        self.folder = self.home / "local-superlink"  # where flwr keeps its log
+        self.serving_before = False
+        self.before: set[int] = set()
+        self.stopped: list[int] = []
+        self._lock = None
+
+    def serving(self) -> bool:
+        """Whether a SuperLink answers on the port: `flwr run` then uses it and starts none."""
+        try:
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    f"http://127.0.0.1:{self.port}/health", timeout=1):
+                return True  # urllib raises for anything but a success
+        except (OSError, ValueError):
+            return False
+
+    def started_by_launchers(self, add: set[int] = frozenset(), remove: set[int] = frozenset()) -> set[int]:
+        """The running SuperLinks that launchers started, after adding and removing these ids."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / self.STARTED_FILE, "a+") as record:
+            fcntl.flock(record, fcntl.LOCK_EX)  # one reader-writer at a time; released on close
+            record.seek(0)
+            try:
+                listed = set(json.loads(record.read() or "[]"))
+            except json.JSONDecodeError:
+                listed = set()
+            running = set(_superlinks(self.home, self.port))
+            started = ((listed | set(add)) - set(remove)) & running
+            record.seek(0)
+            record.truncate()
+            record.write(json.dumps(sorted(started)))
+        return started
+
+    def __enter__(self) -> "LocalSuperLink":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.folder / self.LOCK_FILE, "a")
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self.before = set(_superlinks(self.home, self.port))
+        self.serving_before = self.serving()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            # Listed before the lock is given up, so the context that closes last finds it.
+            started = self.started_by_launchers(add=set(_superlinks(self.home, self.port)) - self.before)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another context is open on this SuperLink: the last to close stops it
+            self.stopped = sorted(started)
+            for pid in self.stopped:
+                _stop(pid)
+            self.started_by_launchers(remove=set(self.stopped))
+        finally:
+            self._lock.close()
+
+    def notice(self) -> str | None:
+        """One line when a SuperLink that no launcher started was serving before and is left
+        running, else None."""
+        if not self.serving_before:
+            return None
+        theirs = sorted((self.before & set(_superlinks(self.home, self.port))) - self.started_by_launchers())
+        if self.before and not theirs:
+            return None  # a launcher's, stopped by the last context to close
+        how = (f"`kill {' '.join(map(str, theirs))}` stops it" if theirs else
+               f"it was not started for FLWR_HOME={self.home}: stop it where it was started")
+        return (f"the local SuperLink on 127.0.0.1:{self.port} was running before this run and is left "
+                f"running ({how})")
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,11 +399,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 0 for a finished run that some client's faults left incomplete (status.json's "
                              "complete, failed_partitions, test_share)")
     args = parser.parse_args(argv)
+    # A launcher stopped with SIGTERM unwinds as on Ctrl-C, so it stops the SuperLink it started.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _main_thread() else None
     try:
-        status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
+        with LocalSuperLink() as superlink:
+            status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
     except (ConfigError, LaunchError, ModelNotAvailableError) as error:
         print(f"sims.launch: {error}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    notice = superlink.notice()
+    if notice:
+        print(f"sims.launch: {notice}", file=sys.stderr)
     sys.stdout.write(process.stdout)
     sys.stderr.write(process.stderr)
     print(f"\nrun folder: {folder}\nstatus: {status['state']}")

@@ -57,6 +57,7 @@ import time
 import tomllib
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ from privacy.positionless import MANIFEST_FILE
 from pruning.prepare import PrepareSettings, prepare_dtp
 from sims import archive as A
 from sims.inprocess import run_in_process
-from sims.launch import app_config, launch
+from sims.launch import LocalSuperLink, app_config, launch
 from sims.privacy_cli import PositionlessPrepare, prepare_positionless
 from sims.usage import UsageError
 from sims.provenance import provenance
@@ -515,6 +516,16 @@ def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None]
         log(f"restored {len(restored)} point(s) from {sweep.archive}")
     _stamp(sweep)
     _prepare_artifacts(sweep, log)
+    # One local SuperLink serves every point's `flwr run`; the sweep stops it when it ends.
+    with LocalSuperLink() if sweep.runner == "flwr" else nullcontext() as superlink:
+        states = _run_points(sweep, progress, log)
+    notice = superlink.notice() if superlink is not None else None
+    if notice:
+        log(notice)
+    return states
+
+
+def _run_points(sweep: Sweep, progress: bool, log: Callable[[str], None]) -> dict[str, str]:
     fitted: dict[tuple[str, str], Attack] = {}
     states = {}
     bar = tqdm(sweep.points, desc=f"sweep {sweep.file.stem}", unit="run", disable=not progress)

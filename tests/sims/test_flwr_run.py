@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from attacks import Recording
-from sims.launch import installed_tools_environment, launch, stop_local_superlink
+from sims.launch import LocalSuperLink, installed_tools_environment, launch, stop_local_superlink
 from sims.sweep import main as sweep_main
 
 pytestmark = pytest.mark.flwr_run
@@ -32,8 +32,8 @@ def flwr_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("flwr-home")
     saved = {k: os.environ.get(k) for k in ("FLWR_HOME", "FLWR_LOCAL_CONTROL_API_PORT", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT")}
     os.environ.update(FLWR_HOME=str(home), FLWR_LOCAL_CONTROL_API_PORT="29293", FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="29294")
-    yield home
-    stop_local_superlink(home)
+    with LocalSuperLink():  # one SuperLink for the module's runs, stopped after the last
+        yield home
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -2,7 +2,10 @@
 is allowed, every setting it can check on this machine; what passes reaches `flwr run` intact."""
 
 import json
+import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,147 @@ def test_the_exit_code_says_whether_the_run_finished_with_every_client(status, a
     assert main([USL, *(["--allow-partial"] if allow else [])]) == code
     if status.get("complete") is False:
         assert "partitions left out by faults, per round: {'2': [1]}; test set scored: 50%" in capsys.readouterr().err
+
+
+# --- the local SuperLink ----------------------------------------------------------------------
+
+# Stands in for `flower-superlink`: the command line flwr gives it, a /health that answers, and
+# "ready" on stdout once it does; SIGTERM ends it as it ends the real one.
+STUB_SUPERLINK = '''
+import argparse, http.server, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int)
+parser.add_argument("--log-file")
+args, _ = parser.parse_known_args()
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", args.port), Health)
+print("ready", flush=True)
+server.serve_forever()
+'''
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+@pytest.fixture
+def superlink_home(monkeypatch, tmp_path):
+    """A FLWR_HOME and SuperLink port of the test's own, and a way to start a stub SuperLink on
+    them as `flwr run` starts the real one (detached, in its own session); every stub it started
+    is ended afterwards, whatever the test did."""
+    home, port = tmp_path / "flwr-home", free_port()
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", port)
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "flower-superlink"
+    stub.write_text(STUB_SUPERLINK)
+    started = []
+
+    def start() -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, str(stub), "--insecure", "--simulation", "--port", port,
+             "--log-file", str(home / "local-superlink" / "superlink.log")],
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(process)
+        assert process.stdout.readline().strip() == "ready"
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def fake_flwr_run(monkeypatch, start, outcome=None):
+    """`flwr run` as far as the SuperLink goes: it starts one when none answers, then finishes,
+    raises or is interrupted (`outcome`); the launcher's checks and Ray's TLS are skipped."""
+    monkeypatch.setattr(L, "preflight", lambda app, overrides, federation="": load_config(app_config(app, overrides)))
+    monkeypatch.setattr(L, "simulation_environment", L.installed_tools_environment)
+    started = []
+
+    def run(command, **kwargs):
+        if not L.LocalSuperLink(kwargs["env"]).serving():
+            started.append(start())
+        if outcome is not None:
+            raise outcome
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(L.subprocess, "run", run)
+    return started
+
+
+@pytest.mark.parametrize("outcome", [None, subprocess.TimeoutExpired("flwr", 1), KeyboardInterrupt()],
+                         ids=["returned", "timed-out", "interrupted"])
+def test_the_superlink_flwr_run_started_is_stopped_when_the_run_ends(outcome, superlink_home, monkeypatch, tmp_path):
+    started = fake_flwr_run(monkeypatch, superlink_home, outcome)
+    overrides = {"output.root": str(tmp_path), "output.name": "r"}
+    if outcome is None:
+        assert L.launch(USL, overrides)[0]["state"] == "unknown"
+    else:
+        with pytest.raises(type(outcome)):
+            L.launch(USL, overrides)
+    [superlink] = started
+    assert superlink.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_the_command_line_launcher_leaves_no_superlink_behind_and_says_nothing_of_it(
+        superlink_home, monkeypatch, capsys, tmp_path):
+    """`make run`'s path: main's context around launch's own."""
+    started = fake_flwr_run(monkeypatch, superlink_home)
+    assert main([USL, "--run-config", f'output.root="{tmp_path}"']) == 1  # the fake run wrote no status
+    [superlink] = started
+    assert superlink.wait(timeout=30) == -signal.SIGTERM
+    assert "SuperLink" not in capsys.readouterr().err
+
+
+def test_a_superlink_running_before_is_left_running_and_the_launcher_says_how_to_stop_it(
+        superlink_home, monkeypatch, capsys, tmp_path):
+    theirs = superlink_home()
+    started = fake_flwr_run(monkeypatch, superlink_home)
+    assert main([USL, "--run-config", f'output.root="{tmp_path}"']) == 1  # the fake run wrote no status
+    said = [line for line in capsys.readouterr().err.splitlines() if "SuperLink" in line]
+    assert started == [] and theirs.poll() is None
+    assert len(said) == 1 and "left running" in said[0] and f"`kill {theirs.pid}` stops it" in said[0], said
+
+
+def test_an_open_context_holds_the_superlink_across_runs_and_the_last_to_close_stops_it(
+        superlink_home, monkeypatch, tmp_path):
+    """As a sweep runs its points, or a second launcher's run goes on (its own lock on the same
+    file): the first run starts the SuperLink, the next ones use it, and the end of a run inside
+    does not stop it under the others."""
+    started = fake_flwr_run(monkeypatch, superlink_home)
+    with L.LocalSuperLink() as held:
+        for name in ("a", "b"):
+            L.launch(USL, {"output.root": str(tmp_path), "output.name": name})
+            assert len(started) == 1 and started[0].poll() is None
+        assert held.notice() is None
+    assert started[0].wait(timeout=30) == -signal.SIGTERM
+    assert held.stopped == [started[0].pid]
+
+
+def test_the_superlink_flwr_starts_is_recognised_and_stopped(tmp_path):
+    """The real `flower-superlink`, started by flwr's own code as `flwr run` starts it (a few
+    seconds: its start is what is tested), so the command line the launcher looks for is flwr's."""
+    environment = {**L.installed_tools_environment(), "FLWR_HOME": str(tmp_path),
+                   "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": free_port(), "FLWR_LOCAL_CONTROL_API_PORT": free_port()}
+    start = ("from flwr.cli.local_superlink import ensure_local_superlink\n"
+             "from flwr.cli.typing import SuperLinkConnection\n"
+             "ensure_local_superlink(SuperLinkConnection(name='local', address=':local:'))\n")
+    try:
+        with L.LocalSuperLink(environment) as superlink:
+            subprocess.run([sys.executable, "-c", start], env=environment, check=True, capture_output=True, timeout=120)
+            assert superlink.serving()
+        assert len(superlink.stopped) == 1
+        assert not superlink.serving() and L._superlinks(tmp_path) == []
+    finally:
+        L.stop_local_superlink(tmp_path)  # a failed check leaves nothing running either
