@@ -17,13 +17,16 @@ run: setup
 mini-targets: setup
 	.venv/bin/python benchmarks/mini_targets.py
 
+# Every sweep behind a results/*.md (benchmarks/sweep_results.py's SWEEPS), archived as it goes, and the
+# mini builds they run on. sims/sweeps/memorisation.toml feeds benchmarks/testbed_memorisation.py;
+# smoke.toml is the tests'.
+SWEEPS = paradigms pruning-attacks defenses vision-edge federated-privacy dpmtv
+
 sweeps: setup
 	.venv/bin/qpriv-mini build
-	.venv/bin/qpriv-sweep run sims/sweeps/paradigms.toml --archive results/sweeps/paradigms
-	.venv/bin/qpriv-sweep run sims/sweeps/pruning-attacks.toml --archive results/sweeps/pruning-attacks
-	.venv/bin/qpriv-sweep run sims/sweeps/defenses.toml --archive results/sweeps/defenses
-	.venv/bin/qpriv-sweep run sims/sweeps/federated-privacy.toml --archive results/sweeps/federated-privacy
-	.venv/bin/python benchmarks/sweep_results.py paradigms
-	.venv/bin/python benchmarks/sweep_results.py pruning-attacks
-	.venv/bin/python benchmarks/sweep_results.py defenses
-	.venv/bin/python benchmarks/sweep_results.py federated-privacy
+	.venv/bin/qpriv-mini --profile mini-scenes build
+	.venv/bin/qpriv-mini --profile mini-interleaved build
+	for sweep in $(SWEEPS); do \
+		.venv/bin/qpriv-sweep run sims/sweeps/$$sweep.toml --archive results/sweeps/$$sweep || exit 1; \
+	done
+	for sweep in $(SWEEPS); do .venv/bin/python benchmarks/sweep_results.py $$sweep || exit 1; done

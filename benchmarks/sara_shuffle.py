@@ -18,7 +18,7 @@ run and unpruned rows:
    the shuffled rows (TPP placement, MAE for positions left empty by collisions, decoder).
 
 `mini` keeps almost no position by its feature layer and `mini-positional` keeps it
-(README, "The model"): the difference is what a position-recovery attack needs. SARA's
+(docs/models.md): the difference is what a position-recovery attack needs. SARA's
 budgets are the paper's epochs and rates unless `--sara-option` overrides them; one torch
 thread. Writes results/sara_shuffle.json, .md (rendered from the JSON) and .png (`--name` for
 another setting beside the paper's: results/sara_shuffle_tuned is `--profiles mini-positional

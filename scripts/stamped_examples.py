@@ -1,4 +1,4 @@
-"""Draw a few stamped easy-VQA images with their mark patches outlined (README figure).
+"""Draw a few stamped easy-VQA images with their mark patches outlined (the figure of docs/models.md).
 
     python scripts/stamped_examples.py [--out results/stamped_examples.png] [--split test]
 

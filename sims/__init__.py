@@ -1,1 +1,4 @@
-"""Run-config schema and one Flower App folder per simulation."""
+"""One thin Flower App folder per simulation (`sims/<name>/pyproject.toml`), the launcher
+(`sims.launch`), the in-process runner, sweeps (`sims.sweep`, shipped files in `sims/sweeps/`) and
+the run-folder loader the results notebook reads (`sims.results`); the run-config schema they
+read is `config/`."""

@@ -1,6 +1,6 @@
 """The house's layers: no package imports one above it, and no modules import each other in a loop.
 
-The order (bottom to top) is the README's layout table. Imports are read from the source
+The order (bottom to top) is the layout table of docs/contributing.md. Imports are read from the source
 with `ast`, including those inside functions and under TYPE_CHECKING: a lazy import still
 ties the lower package to the higher one.
 """
@@ -56,7 +56,7 @@ MODULES = project_modules()
 
 def test_every_package_is_on_a_floor():
     packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
-    assert packages - set(FLOOR) == set(), "a new package needs its place in LAYERS (and the README's layout table)"
+    assert packages - set(FLOOR) == set(), "a new package needs its place in LAYERS (and the layout table of docs/contributing.md)"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

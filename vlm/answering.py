@@ -1,7 +1,7 @@
 """Answering VQA questions with a (possibly pruned) model, for scoring.
 
 One function for every caller (the mini model's build, its target benchmark, the
-simulations' evaluation), so a number in the README and a number in a run folder
+simulations' evaluation), so a number in results/ and a number in a run folder
 come from the same code.
 """
 
