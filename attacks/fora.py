@@ -70,8 +70,12 @@ class FORA(AdaptiveAttack):
     Options = FORAOptions
 
     def _rows(self, model: torch.nn.Module, batch: torch.Tensor, keep) -> list[torch.Tensor]:
-        """The attacker's visual rows for the auxiliary images at `batch`: through the defenses when adaptive."""
-        return self.attacker_rows(model, self.aux_features[batch], [self.aux[int(i)] for i in batch], keep)[0]
+        """The attacker's visual rows for the auxiliary images at `batch`: through the defenses when adaptive.
+
+        In float32 on the CPU, where the observations and FORA's own networks are, whatever device
+        and dtype the model computes in (a GPU and bf16 at 7B); still in the substitute's graph."""
+        rows = self.attacker_rows(model, self.aux_features[batch], [self.aux[int(i)] for i in batch], keep)[0]
+        return [r.float().cpu() for r in rows]
 
     def fit(self, aux: Sequence[VQASample]) -> "FORA":
         """Keeps the auxiliary images and their frozen vision features (FORA trains on the observations)."""

@@ -27,11 +27,14 @@ Not a test: numbers depend on the machine and its load.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +43,7 @@ from clients import runtime as client_runtime
 from clients.runtime import build_runtime
 from config import load_config
 from sims.inprocess import run_in_process
-from sims.launch import app_config, launch, stop_local_superlink
+from sims.launch import LocalSuperLink, app_config, launch
 from training.batches import batch_positions, decoder_inputs
 from training.model import load_party_model, make_optimizer, party_parameter_bytes
 from training.store import PrivateStore
@@ -100,6 +103,9 @@ def unsplit_seconds(config, root: Path) -> float:
         optimizer.zero_grad(set_to_none=True)
         next_token_loss(logits, inputs.labels).backward()
         optimizer.step()
+    if party.device.type == "cuda":
+        # The split run's steps end on the loss each reply carries; these end on queued kernels.
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -123,6 +129,69 @@ class SnapshotLog:
 
     def __exit__(self, *exc) -> None:
         PrivateStore.save = self._original
+
+
+def wire_costs(record: dict, paradigm: str, hidden: int, wire_dtype: str, batch_size: int) -> dict:
+    """A round's wire from its metrics record: round trips per step, and bytes per sample each way
+    against k × D × bytes-per-element (k: real tokens crossing the cut; USL moves two such tensors
+    each way per step, SL one plus the answer tokens)."""
+    tensors_each_way = 2 if paradigm == "usl" else 1
+    theory = record["train_tokens"] * hidden * WIRE_DTYPES[wire_dtype].itemsize * tensors_each_way
+    samples = record["steps"] * batch_size
+    return {
+        "round_trips_per_step": record["round_trips_per_step"],
+        "round_trips": record["round_trips_train"],
+        "bytes_up_per_sample": record["bytes_up"] / samples,
+        "bytes_down_per_sample": record["bytes_down"] / samples,
+        "k_d_bpe_per_sample_each_way": theory / samples,
+        "overhead_up": record["bytes_up"] / theory - 1,
+        "overhead_down": record["bytes_down"] / theory - 1,
+        "tokens_per_sample": record["train_tokens"] / samples,
+    }
+
+
+@dataclass
+class SplitAgainstUnsplit:
+    """USL's steady round in one process and the same steps of the unsplit model, per repeat."""
+
+    inprocess_rounds_s: list[float]
+    unsplit_runs_s: list[float]
+    steps: int
+    # Every PrivateStore.save of the first in-process run: (round, bytes written).
+    first_run_snapshots: list[tuple[int, int]]
+
+    @property
+    def inprocess_round_s(self) -> float:
+        return statistics.median(self.inprocess_rounds_s)
+
+    @property
+    def unsplit_s(self) -> float:
+        return statistics.median(self.unsplit_runs_s)
+
+
+def inprocess_against_unsplit(
+    run_config: Callable[[int], dict], root: Path, repeats: int = REPEATS
+) -> SplitAgainstUnsplit:
+    """`repeats` times: a USL run in this process (sims.inprocess: the split bookkeeping without
+    Flower's runtime), then the unsplit model on the same steps. `run_config(repeat)` is that
+    repeat's full run config, its second round the steady state the ratio uses. One round of each
+    varies by several percent on a shared machine, so the two alternate and medians compare them."""
+    inprocess_rounds, unsplit_runs, first_saves = [], [], []
+    for repeat in range(repeats):
+        full = run_config(repeat)
+        with SnapshotLog() as snapshots:
+            folder = run_in_process(full)
+        _, record = read_metrics(folder.path)
+        inprocess_rounds.append(record["wall_s"])
+        unsplit_runs.append(unsplit_seconds(load_config(full), root))
+        if repeat == 0:
+            first_saves = list(snapshots.saves)
+        # The last run's server segment and the unsplit model go before the next repeat builds its
+        # own (at 7B two of them would not fit one GPU beside the clients' base).
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    return SplitAgainstUnsplit(inprocess_rounds, unsplit_runs, record["steps"], first_saves)
 
 
 def virtual_client_memory(args, root: Path) -> dict:
@@ -182,10 +251,9 @@ def main() -> None:
         FLWR_HOME=str(root / "flwr-home"), FLWR_LOCAL_CONTROL_API_PORT="39393",
         FLWR_LOCAL_SUPERLINK_HTTP_API_PORT="39394", OMP_NUM_THREADS="1",
     )
-    try:
+    # One SuperLink serves every run measured here, as for a user's repeated `flwr run`s.
+    with LocalSuperLink():
         results = measure(args, root)
-    finally:
-        stop_local_superlink(root / "flwr-home")
     write_json(NAME, results)
     print(render_report(read_json(NAME)).read_text())
 
@@ -206,19 +274,8 @@ def measure(args, root: Path) -> dict:
         warmup, record = read_metrics(folder)
         config = load_config(app_config(SIMS / f"{paradigm}_easyvqa", overrides))
         hidden = get_profile(config.model.profile).hidden_size
-        per_element = WIRE_DTYPES[wire_dtype].itemsize
-        tensors_each_way = 2 if paradigm == "usl" else 1
-        theory = record["train_tokens"] * hidden * per_element * tensors_each_way
-        samples = record["steps"] * args.batch_size
         results["runs"][name] = {
-            "round_trips_per_step": record["round_trips_per_step"],
-            "round_trips": record["round_trips_train"],
-            "bytes_up_per_sample": record["bytes_up"] / samples,
-            "bytes_down_per_sample": record["bytes_down"] / samples,
-            "k_d_bpe_per_sample_each_way": theory / samples,
-            "overhead_up": record["bytes_up"] / theory - 1,
-            "overhead_down": record["bytes_down"] / theory - 1,
-            "tokens_per_sample": record["train_tokens"] / samples,
+            **wire_costs(record, paradigm, hidden, wire_dtype, args.batch_size),
             "flwr_run_total_s": total,
             "flwr_round_s": record["wall_s"],
             "flwr_first_round_s": warmup["wall_s"],
@@ -226,32 +283,23 @@ def measure(args, root: Path) -> dict:
         }
         print(name, json.dumps(results["runs"][name], indent=1), flush=True)
 
-    # One round of each varies by several percent on a shared machine: alternate the two
-    # and compare medians.
-    inprocess_rounds, unsplit_runs = [], []
-    for repeat in range(REPEATS):
-        full = app_config(SIMS / "usl_easyvqa", overrides_for(args, root, f"usl-inprocess-{repeat}"))
-        with SnapshotLog() as snapshots:
-            folder = run_in_process(full)
-        _, record = read_metrics(folder.path)
-        inprocess_rounds.append(record["wall_s"])
-        unsplit_runs.append(unsplit_seconds(load_config(full), root))
-        if repeat == 0:
-            saves = list(snapshots.saves)
-    inprocess_round, unsplit = statistics.median(inprocess_rounds), statistics.median(unsplit_runs)
+    compared = inprocess_against_unsplit(
+        lambda repeat: app_config(SIMS / "usl_easyvqa", overrides_for(args, root, f"usl-inprocess-{repeat}")), root
+    )
+    inprocess_round, unsplit = compared.inprocess_round_s, compared.unsplit_s
     results["load_average_after_inprocess"] = os.getloadavg()[0]
     results["round_trip"] = empty_round_trip(root)
     print("round trip", json.dumps(results["round_trip"]), flush=True)
     flwr = results["runs"]["usl-fp32"]
-    steps = record["steps"]
+    steps = compared.steps
     extra_per_step = (flwr["flwr_round_s"] - inprocess_round) / steps
     round_trip = results["round_trip"]["median_s"]
     results["wall"] = {
         "usl_flwr_round_s": flwr["flwr_round_s"],
         "usl_inprocess_round_s": inprocess_round,
         "unsplit_one_process_s": unsplit,
-        "usl_inprocess_rounds_s": inprocess_rounds,
-        "unsplit_runs_s": unsplit_runs,
+        "usl_inprocess_rounds_s": compared.inprocess_rounds_s,
+        "unsplit_runs_s": compared.unsplit_runs_s,
         "ratio_inprocess_vs_unsplit": inprocess_round / unsplit,
         "flwr_extra_s_per_step": extra_per_step,
         "ratio_flwr_extra_vs_two_round_trips": extra_per_step / (2 * round_trip),
@@ -259,7 +307,7 @@ def measure(args, root: Path) -> dict:
         "startup_and_teardown_s": flwr["flwr_run_total_s"] - flwr["flwr_round_s"] - flwr["flwr_first_round_s"],
         "first_round_warmup_s": flwr["flwr_first_round_s"] - flwr["flwr_round_s"],
     }
-    steady = [written for round_, written in saves if round_ == 2]
+    steady = [written for round_, written in compared.first_run_snapshots if round_ == 2]
     results["disk"] = {
         "snapshots_in_steady_round": len(steady),
         "turns_in_steady_round": 1,

@@ -104,6 +104,11 @@ def load_party_model(config: SimConfig, role: str | None = None) -> PartyModel:
         for module, runs in party_modules(model, run):
             if not runs:
                 module.to("meta")
+    if device.type == "cuda":
+        # Processes sharing one GPU (the server and Ray's fractional-GPU clients) get back what the
+        # modules a party discards and random weights' float32 draw held; the caching allocator
+        # would otherwise keep it for this process.
+        torch.cuda.empty_cache()
     return PartyModel(bundle=bundle, model=model, segments=segments, device=device)
 
 

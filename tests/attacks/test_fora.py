@@ -1,6 +1,7 @@
 """FORA inverts undefended visual rows better than the mean image, and not rows of another image."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -62,6 +63,17 @@ def test_fora_substitute_follows_a_client_whose_private_adapters_moved(knowledge
     unfitted = build_attack("fora", knowledge, **{**FAST, "substitute_steps": 0}).fit(aux).run(recording, truth)
     print(fitted.metrics, unfitted.metrics)
     assert fitted.metrics["psnr"] > unfitted.metrics["psnr"] + 1.0
+
+
+def test_fora_runs_against_a_bf16_model(knowledge, victims, aux, record_activations):
+    """The paper's run computes in bf16 (on a GPU): the substitute's rows meet FORA's own float32
+    networks and the float32 observations on the CPU."""
+    bf16 = dataclasses.replace(knowledge, model=copy.deepcopy(knowledge.model).to(torch.bfloat16))
+    recording, truth = record_activations(victims[:8])
+    result = build_attack("fora", bf16, **{**FAST, "substitute_steps": 2, "decoder_steps": 2}).fit(aux[:16]).run(
+        recording, truth)
+    reconstructions = result.outputs["reconstructions"]
+    assert reconstructions.shape == (8, 3, bf16.image_size, bf16.image_size) and torch.isfinite(reconstructions).all()
 
 
 # -- adaptive: the inverse network trained on defended rows ----------------------------------------

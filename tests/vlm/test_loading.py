@@ -44,6 +44,16 @@ def test_random_model_is_deterministic_per_seed_and_leaves_global_rng_alone():
     assert not all(torch.equal(first[key], other[key]) for key in first)
 
 
+def test_random_weights_are_drawn_on_the_device_they_are_built_for():
+    """Building in place is what lets a 7B random model appear on a GPU in a moment: nothing
+    is drawn on the CPU and copied over (on the meta device, nothing is drawn at all)."""
+    on_meta = build_random_model(LLAVA_7B, seed=5, dtype=torch.bfloat16, device="meta")
+    assert {(p.device.type, p.dtype) for p in on_meta.parameters()} == {("meta", torch.bfloat16)}
+    on_cpu = build_random_model(TINY, seed=5, device="cpu").state_dict()
+    default = build_random_model(TINY, seed=5).state_dict()
+    assert all(torch.equal(on_cpu[key], default[key]) for key in default)
+
+
 def test_tiny_bundle_preprocesses_pil_images_to_the_profile_size():
     bundle = load_model("tiny", seed=0)
     assert bundle.profile is TINY and bundle.tokenizer is None
