@@ -9,7 +9,7 @@ setup:
 test: setup
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
-# The scene testbed's weights ship with the code: `build` installs them (digest checked) in seconds.
+# `build` installs shipped weights (digest checked) in seconds, or builds them (about 47 min on 2 cores).
 run: setup
 	.venv/bin/qpriv-mini --profile mini-scenes build
 	.venv/bin/python -m sims.launch sims/usl_scenes
