@@ -5,10 +5,12 @@ a released task vector (mtv_mia), behind one interface and a registry.
     attack = build_attack("fora", knowledge, decoder_steps=2000).fit(aux_samples)
     result = attack.run(Recording.open(run_folder), truth)   # truth: attacks.truth.RunTruth
 
-`python -m attacks --help` replays an attack against a recorded run folder.
+`python -m attacks --help` replays an attack against a recorded run folder. Every module of the
+package is imported here, so an attack's module registers it by being in the package.
 """
 
 from attacks.base import (
+    ATTACKS,
     Attack,
     AttackResult,
     Truth,
@@ -24,11 +26,12 @@ from attacks.recording import (
     Recorder,
     Recording,
 )
+from registry import import_modules
 
-# Importing an attack module registers it.
-from attacks import actinv, fora, fsha, idlg, mia, mtv_mia, sara  # noqa: F401  isort: skip
+import_modules(__name__)
 
 __all__ = [
+    "ATTACKS",
     "Attack",
     "AttackResult",
     "AttackerKnowledge",

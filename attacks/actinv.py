@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.base import ACTIVATION, PASSIVE, TEXT, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed
 from attacks.metrics import text_metrics
 from attacks.observations import VisualSpans, fewer_visual_rows
@@ -68,7 +68,10 @@ class ActInvOptions:
 
 class ActInv(Attack):
     name = "actinv"
-    threat_model = "passive"
+    threat_model = PASSIVE
+    kind = TEXT
+    reads = (ACTIVATION,)
+    headline = ("token_recall",)
     Options = ActInvOptions
 
     def fit(self, aux: Sequence[VQASample]) -> "ActInv":

@@ -6,8 +6,11 @@ recorded (`run`). Its result holds metrics — only when a `Truth` is given, sin
 scoring needs the victims' real inputs, which the attacker never has — and its raw
 outputs (reconstructed images, recovered tokens) for inspection.
 
-Each attack module ends with `register_attack(TheAttack)`; the replay command and
-`build_attack` find attacks by name only through this registry.
+Each attack module ends with `register_attack(TheAttack)` (attacks/__init__.py imports every
+module of the package, so a new module is registered by being there); the replay command and
+`build_attack` find attacks by name only through this registry, and the results tables
+(sims.results) read what each attack declares of itself: its kind, what it reads and its
+headline metrics.
 """
 
 import json
@@ -25,12 +28,26 @@ from safetensors.torch import save_file
 
 from attacks.knowledge import AttackerKnowledge
 from attacks.recording import RecordedTransfer, Recording
+from registry import Registry
 from vqa import VQASample
 from vqa.stamping import MarkRecord
 
 if TYPE_CHECKING:
     from attacks.context import ReplayContext
     from config import SimConfig
+
+# What an attack recovers.
+IMAGE, TEXT, LABEL, MEMBERSHIP = "image", "text", "label", "membership"
+KINDS = {IMAGE: "the client's images", TEXT: "the prompt's tokens", LABEL: "the answers a client trains on",
+         MEMBERSHIP: "which samples a model or a release was trained on"}
+# What of a run an attack reads.
+ACTIVATION, GRADIENT, UPDATE, MODEL, TASK_VECTOR = "activation", "gradient", "update", "model", "task_vector"
+READS = {ACTIVATION: "the activation a split client sends at the first cut",
+         GRADIENT: "the gradient a USL client returns at CB", UPDATE: "an FL client's adapter update",
+         MODEL: "the trained model, queried as a black box", TASK_VECTOR: "the released task vector"}
+PASSIVE, ACTIVE, QUERY = "passive", "active", "query"
+THREAT_MODELS = {PASSIVE: "an honest-but-curious server", ACTIVE: "a server that deviates from the protocol",
+                 QUERY: "black-box access to the model"}
 
 
 class Truth(Protocol):
@@ -77,11 +94,19 @@ class AttackResult:
 
 
 class Attack(ABC):
-    """Subclasses set `name`, `threat_model` and `Options` (a dataclass of their settings)."""
+    """Subclasses set `name`, `threat_model`, `kind`, `reads`, `headline` and `Options` (a dataclass
+    of their settings)."""
 
     name: ClassVar[str]
-    # "passive" (honest-but-curious server), "active" (the server deviates), "query" (black-box model access).
+    # One of THREAT_MODELS: who the attacker is.
     threat_model: ClassVar[str]
+    # One of KINDS: what it recovers.
+    kind: ClassVar[str]
+    # Of READS: what of the run it reads (which a run must record for it).
+    reads: ClassVar[tuple[str, ...]]
+    # The metrics of its result that stand for its success in the results tables (the first: the
+    # one the tables lead with); each result reports them beside their trivial baselines.
+    headline: ClassVar[tuple[str, ...]]
     Options: ClassVar[type]
     # Whether `fit` reads the run itself (state prepare_replay took from it) besides public data;
     # an attack whose fit does not is fitted once and replayed on every run of the same public setting.
@@ -169,25 +194,24 @@ def checked_options(attack: str, options_class: type, options: Mapping[str, Any]
     return options_class(**options)
 
 
-_ATTACKS: dict[str, type[Attack]] = {}
+def _check_attack(attack: type[Attack]) -> None:
+    for attribute in ("threat_model", "kind", "reads", "headline"):
+        if not hasattr(attack, attribute):
+            raise ValueError(f"attack {attack.name!r} does not declare its {attribute}")
+    for attribute, value, allowed in (("threat_model", (attack.threat_model,), THREAT_MODELS),
+                                      ("kind", (attack.kind,), KINDS), ("reads", attack.reads, READS)):
+        if not value or not set(value) <= set(allowed):
+            raise ValueError(f"attack {attack.name!r}: {attribute}={value!r}; allowed: {', '.join(allowed)}")
+    if not attack.headline:
+        raise ValueError(f"attack {attack.name!r}: headline=(); allowed: the names of one or more of its metrics")
 
 
-def register_attack(attack: type[Attack], *, replace: bool = False) -> type[Attack]:
-    if attack.name in _ATTACKS and not replace:
-        raise ValueError(f"an attack named {attack.name!r} is already registered; pass replace=True")
-    _ATTACKS[attack.name] = attack
-    return attack
-
-
-def attack_class(name: str) -> type[Attack]:
-    try:
-        return _ATTACKS[name]
-    except KeyError:
-        raise ValueError(f"no attack named {name!r}; registered: {available_attacks()}") from None
+ATTACKS: Registry[type[Attack]] = Registry("attack", check=_check_attack)
+register_attack, attack_class = ATTACKS.register, ATTACKS.get
 
 
 def available_attacks() -> list[str]:
-    return sorted(_ATTACKS)
+    return sorted(ATTACKS.names())
 
 
 def build_attack(name: str, knowledge: AttackerKnowledge, **options: Any) -> Attack:

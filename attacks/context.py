@@ -20,8 +20,6 @@ from vlm.cuts import split_layers
 from vlm.lora import load_owner_state_dict
 
 ATTACK_FOLDER = "attacks"
-# The server's segment per paradigm (vlm.cuts owners); its adapters are in the server's checkpoint.
-SERVER_OWNER = {"sl": "server", "usl": "body", "fl": "all"}
 
 
 @dataclass
@@ -47,10 +45,12 @@ def final_model(run: ReplayContext) -> nn.Module:
     checkpoint = torch.load(folder / "checkpoints" / f"round-{round_:06d}.pt", weights_only=True)
     store = PrivateStore(folder / "clients" / f"partition-{run.partition}").load() or {}
     model = copy.deepcopy(run.knowledge.model)
-    server_owner = SERVER_OWNER.get(config.paradigm)
+    paradigm = config.paradigm_spec
+    # The server's checkpoint holds FedAvg's global adapters, or those of the server's own segment.
+    server_owners = paradigm.client_owners if paradigm.averages_updates else paradigm.server_owners
     for segment in split_layers(run.knowledge.num_layers, config.cuts):
-        if segment.owner == server_owner:
-            state = checkpoint["arrays"] if config.paradigm == "fl" else checkpoint["lora"]
+        if segment.owner in server_owners:
+            state = checkpoint["arrays"] if paradigm.averages_updates else checkpoint["lora"]
         elif segment.owner in store:
             state = store[segment.owner]["lora"]
         else:

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from attacks.adaptive import AdaptiveAttack
-from attacks.base import AttackResult, Truth, register_attack
+from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, register_attack
 from attacks.networks import (
     GridDecoder,
     GridDiscriminator,
@@ -66,7 +66,10 @@ class FORAOptions:
 
 class FORA(AdaptiveAttack):
     name = "fora"
-    threat_model = "passive"
+    threat_model = PASSIVE
+    kind = IMAGE
+    reads = (ACTIVATION,)
+    headline = ("psnr", "mark_readback")
     Options = FORAOptions
 
     def _rows(self, model: torch.nn.Module, batch: torch.Tensor, keep) -> list[torch.Tensor]:

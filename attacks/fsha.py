@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from attacks.adaptive import AttackerDefense, defenses_for_run
-from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.base import ACTIVATION, ACTIVE, IMAGE, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed, visual_rows
 from attacks.networks import (
     GridDecoder,
@@ -74,7 +74,10 @@ class FSHAOptions:
 
 class FSHA(Attack):
     name = "fsha"
-    threat_model = "active"
+    threat_model = ACTIVE
+    kind = IMAGE
+    reads = (ACTIVATION,)
+    headline = ("psnr", "mark_readback")
     Options = FSHAOptions
     fit_reads_run = True
 

@@ -33,12 +33,13 @@ from peft import get_peft_model_state_dict
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.base import GRADIENT, LABEL, PASSIVE, UPDATE, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed
 from attacks.metrics import label_accuracy, token_precision_recall
 from attacks.recording import MissingObservationError, Recording
 from training import protocol
 from vlm.lora import decoder_layer_index
+from vlm.paradigms import PARADIGMS
 from vlm.segments import llava_parts, run_decoder_layers
 from vqa import VQASample
 
@@ -63,7 +64,12 @@ class IDLGOptions:
 
 class IDLG(Attack):
     name = "idlg"
-    threat_model = "passive"
+    threat_model = PASSIVE
+    kind = LABEL
+    # USL's gradient at CB scores each sample's answer (label_accuracy); an FL update, the
+    # answer tokens of the update's whole batch (label_precision).
+    reads = (GRADIENT, UPDATE)
+    headline = ("label_accuracy", "label_precision")
     Options = IDLGOptions
 
     def fit(self, aux: Sequence[VQASample]) -> "IDLG":
@@ -170,7 +176,9 @@ class IDLG(Attack):
 
     # -- the attack on a recording ----------------------------------------------------------------
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
-        if recording.config.get("paradigm") == "sl" or recording.select(protocol.ACTIVATION_AT_C.name):
+        paradigm = recording.config.get("paradigm")
+        if (paradigm in PARADIGMS and PARADIGMS.get(paradigm).server_computes_loss
+                or recording.select(protocol.ACTIVATION_AT_C.name)):
             raise MissingObservationError(
                 "iDLG recovers labels the server does not have; in SL the answers reach the server in clear "
                 "(its loss is server-side), so there is nothing to recover: use a USL or FL recording"

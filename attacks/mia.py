@@ -37,7 +37,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from tqdm.auto import tqdm
 
-from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.base import MEMBERSHIP, MODEL, QUERY, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.metrics import audit_epsilon, membership_metrics
 from attacks.recording import Recording
@@ -76,7 +76,10 @@ FALLBACK_RECIPE = TrainingRecipe(lr=1e-3, batch_size=8, steps=500)
 
 class MIA(Attack):
     name = "mia"
-    threat_model = "query"
+    threat_model = QUERY
+    kind = MEMBERSHIP
+    reads = (MODEL,)
+    headline = ("attack_success",)
     Options = MIAOptions
 
     def __init__(self, knowledge: AttackerKnowledge, **options) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attacks.base import Attack, AttackResult, Truth, register_attack
+from attacks.base import MEMBERSHIP, QUERY, TASK_VECTOR, Attack, AttackResult, Truth, register_attack
 from attacks.context import ReplayContext
 from attacks.metrics import audit_epsilon, membership_metrics
 from attacks.recording import Recording
@@ -37,7 +37,10 @@ class TaskVectorMIAOptions:
 
 class TaskVectorMIA(Attack):
     name = "mtv_mia"
-    threat_model = "query"
+    threat_model = QUERY
+    kind = MEMBERSHIP
+    reads = (TASK_VECTOR,)
+    headline = ("auc",)
     Options = TaskVectorMIAOptions
 
     def __init__(self, knowledge, **options) -> None:

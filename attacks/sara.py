@@ -45,7 +45,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from attacks.adaptive import AdaptiveAttack
-from attacks.base import AttackResult, Truth, register_attack
+from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, register_attack
 from attacks.knowledge import visual_rows
 from attacks.metrics import image_metrics
 from attacks.networks import (
@@ -124,7 +124,10 @@ class SARAOptions:
 
 class SARA(AdaptiveAttack):
     name = "sara"
-    threat_model = "passive"
+    threat_model = PASSIVE
+    kind = IMAGE
+    reads = (ACTIVATION,)
+    headline = ("psnr", "position_accuracy")
     Options = SARAOptions
 
     def fit(self, aux: Sequence[VQASample]) -> "SARA":

@@ -183,7 +183,7 @@ class RunTruth:
         saw, each with its random answer (memorising it is the only way to score it well). Without:
         every client's training shard, and the test questions clients score on (never trained
         on) — whose images the training split does not share."""
-        if self.data.canary_members and self.config.paradigm == "mtv":
+        if self.data.canary_members and not self.config.paradigm_spec.trains:
             canaries = {(s.image_id, s.question, s.answer) for s in self.data.canary_members}
             options, count = self.config.privacy.mtv, self.config.clients.count
             shown = [shard[index] for partition, shard in enumerate(self.shards)

@@ -49,6 +49,7 @@ from training.model import load_party_model, make_optimizer, party_parameter_byt
 from training.store import PrivateStore
 from vlm.loading import build_model_on_meta, count_parameters, storage_bytes
 from vlm.lora import lora_parameters
+from vlm.paradigms import PARADIGMS
 from vlm.profiles import get_profile
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import WIRE_DTYPES
@@ -135,7 +136,7 @@ def wire_costs(record: dict, paradigm: str, hidden: int, wire_dtype: str, batch_
     """A round's wire from its metrics record: round trips per step, and bytes per sample each way
     against k × D × bytes-per-element (k: real tokens crossing the cut; USL moves two such tensors
     each way per step, SL one plus the answer tokens)."""
-    tensors_each_way = 2 if paradigm == "usl" else 1
+    tensors_each_way = PARADIGMS.get(paradigm).cuts
     theory = record["train_tokens"] * hidden * WIRE_DTYPES[wire_dtype].itemsize * tensors_each_way
     samples = record["steps"] * batch_size
     return {

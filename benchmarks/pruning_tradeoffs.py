@@ -61,6 +61,8 @@ from pruning import (
     PolicyContext,
     VisualTokenSelector,
     build_policy,
+    get_policy,
+    policy_options,
     sensitivity_exclusion_ratios,
     summarize_exclusion,
     summarize_keep_counts,
@@ -803,7 +805,7 @@ def run(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
             choice.policy,
             PolicyContext(
                 profile=PROFILE,
-                ratio=choice.ratio,
+                options=policy_options(get_policy(choice.policy), {"ratio": choice.ratio}),
                 alpha=choice.alpha,
                 artifacts=None if choice.policy == "off" else artefacts[choice.alpha][0],
                 tokenizer=bench.bundle.tokenizer,

@@ -180,13 +180,23 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
                           command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
 
 
-# The vision-edge table's attack columns: (label, title, metrics shown in its cells).
-EDGE_COLUMNS = (("sara", "SARA", ("ssim", "psnr", "fsim", "position_accuracy")),
-                ("sara_adaptive", "adaptive SARA", ("ssim", "psnr", "fsim", "position_accuracy")),
-                ("fora", "FORA", ("ssim", "psnr", "fsim", "mark_readback")),
-                ("fora_adaptive", "adaptive FORA", ("ssim", "psnr", "fsim", "mark_readback")),
-                ("fsha", "FSHA", ("ssim", "psnr", "fsim", "mark_readback")))
+# What every image attack's cell in the vision-edge table shows, before its other headline metrics.
+IMAGE_CELL = ("ssim", "psnr", "fsim")
 CELL = {"ssim": ".2f", "psnr": ".1f", "fsim": ".2f", "mark_readback": ".2f", "position_accuracy": ".1%"}
+
+
+def edge_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The vision-edge table's attack columns: (label, title, metrics in its cells) for each image
+    attack label the rows hold, in the attack registry's order ("fora_adaptive": "adaptive FORA")."""
+    labels = {key.removesuffix("_ssim") for row in rows for key, value in row.items()
+              if key.endswith("_ssim") and value is not None}
+    columns = []
+    for name in R.IMAGE_ATTACKS:
+        metrics = (*IMAGE_CELL, *(m for m in R.ATTACKS.get(name).headline if m not in IMAGE_CELL))
+        for label in sorted(label for label in labels if R.label_attack(label) == name):
+            variant = label.removeprefix(name).replace("_", " ").strip()
+            columns.append((label, f"{variant} {name.upper()}".strip(), metrics))
+    return columns
 
 
 def _edge_sections(tables: dict[str, Any]) -> list[str]:
@@ -201,8 +211,7 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
     rows = tables["edge"]
     for paradigm, threat in dict.fromkeys((r["paradigm"], r["threat"]) for r in rows):
         chosen = [r for r in rows if (r["paradigm"], r["threat"]) == (paradigm, threat)]
-        shown = [(label, title, metrics) for label, title, metrics in EDGE_COLUMNS
-                 if any(r.get(f"{label}_ssim") is not None for r in chosen)]
+        shown = edge_columns(chosen)
         lines += ["", f"### {paradigm.upper()}, {threat} server", "", markdown_table(
             ["profile", "policy", "defense", "test acc.", "kept tokens", "mean image",
              *(title for _, title, _ in shown)],

@@ -260,7 +260,7 @@ def mtv_share(message: Message, context: Context) -> Message:
 @_handles(protocol.TRAIN, mods=[fl_secagg_mod])
 def train(message: Message, context: Context) -> Message:
     """Flower's default train message: FL's local training, or MTV's share."""
-    if client_runtime(context).config.paradigm == "mtv":
+    if not client_runtime(context).config.paradigm_spec.trains:
         return mtv_share(message, context)
     return _FL_TRAIN(message, context)
 

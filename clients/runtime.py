@@ -35,7 +35,7 @@ from training import protocol
 from training.batches import EncodedSample, encode_samples
 from training.data import RunData
 from training.defenses import build_defenses
-from training.model import CLIENT, PARTY_OWNERS, PartyModel, load_party_model, make_optimizer
+from training.model import CLIENT, PartyModel, load_party_model, make_optimizer, party_owners
 from training.selector import build_selector
 from training.store import PrivateStore
 from vlm.cuts import LayerSegment
@@ -222,7 +222,7 @@ def client_runtime(context: Context) -> ClientRuntime:
     config, fingerprint = parsed_config(context.run_config)
     partition_id = int(context.node_config.get(protocol.PARTITION_ID, 0))
     num_partitions = int(context.node_config.get("num-partitions", config.clients.count))
-    if config.paradigm == "cl":
+    if not config.paradigm_spec.wire:
         # The one trainer holds all data, whichever node the server picked for it.
         partition_id = num_partitions = 0
     elif num_partitions != config.clients.count or not 0 <= partition_id < num_partitions:
@@ -278,7 +278,8 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
     if missing:
         features.add(missing, progress=False)
         features.save(cached)
-    owned = {segment.owner: segment for segment in party.segments if segment.owner in PARTY_OWNERS[CLIENT][config.paradigm]}
+    owners = party_owners(config.paradigm_spec, CLIENT)
+    owned = {segment.owner: segment for segment in party.segments if segment.owner in owners}
     # Named by what the runtime is for, so a rebuilt runtime (a cleared cache) reuses its set.
     digest = hashlib.sha256(f"{config.fingerprint()}|{partition_id}|{Path(state_dir).resolve()}".encode()).hexdigest()
     adapter = f"client_{digest[:16]}"

@@ -18,25 +18,24 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from privacy import EDGE, LOSS, STAGES, OptionError, defense_class, defense_names, parse_defense_names
-from privacy.dp import MODES, SGD, DPOptions, Federation, noise_multiplier
+from config.threats import THREAT_MODELS, ThreatModel
+from privacy import (
+    EDGE, LOSS, STAGES, OptionError, client_stages, defense_class, defense_names, parse_defense_names, stage_paradigms,
+)
+from privacy.dp import MODES, SGD, DPOptions, Federation, mode_paradigms, noise_multiplier
 from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts, sum_noise_std
 from privacy.secagg import SecAggOptions
-from pruning import get_policy, get_pruning_profile, policy_names
+from pruning import POLICIES, get_policy, get_pruning_profile, policy_names, policy_options
+from vlm.paradigms import PARADIGMS, Paradigm
 from vlm.profiles import get_profile, profile_names
 from vlm.task_vectors import profile_head_layout
 from vqa import dataset_names, get_adapter
 from wire import WIRE_DTYPES
 
-# mtv: federated DP-MTV (privacy.dp_mtv): clients send their task-vector shares, nothing is trained.
-PARADIGMS = ("cl", "fl", "sl", "usl", "mtv")
 PARTITIONS = ("iid", "dirichlet")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 MODEL_STAGES = ("base", "vqa", "random")
-# The server's threat model, and the paradigms it can act in: a passive server records what
-# crosses a wire (none does in CL); FSHA hijacks the client's front through the first cut.
-THREAT_PARADIGMS = {"none": PARADIGMS, "passive": ("fl", "sl", "usl", "mtv"), "active-fsha": ("sl", "usl")}
 # Keys that may hold inf: a task vector's epsilon (inf: non-private MTV).
 INFINITE_KEYS = ("privacy.mtv.epsilon",)
 # Keys that may change when a run resumes (a longer run, a different timeout).
@@ -222,13 +221,19 @@ class SimConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     @property
+    def paradigm_spec(self) -> Paradigm:
+        """The registered paradigm `paradigm` names (vlm.paradigms)."""
+        return PARADIGMS.get(self.paradigm)
+
+    @property
+    def threat_spec(self) -> ThreatModel:
+        """The registered threat model `threat.model` names (config.threats)."""
+        return THREAT_MODELS.get(self.threat.model)
+
+    @property
     def cuts(self) -> tuple[int, ...]:
         """The decoder cuts of this paradigm: () for CL/FL, (C,) for SL, (CA, CB) for USL."""
-        if self.paradigm == "sl":
-            return (self.split.sl_cut,)
-        if self.paradigm == "usl":
-            return (self.split.cut_a, self.split.cut_b)
-        return ()
+        return self.paradigm_spec.cut_layers(self.split.sl_cut, (self.split.cut_a, self.split.cut_b))
 
     def run_folder(self) -> Path:
         """Where this run's folder lives (and, by default, its clients' private state)."""
@@ -290,7 +295,8 @@ def validate(config: SimConfig) -> None:
     for key, value in config.to_flat().items():
         if isinstance(value, float) and not math.isfinite(value) and not (key in INFINITE_KEYS and value == math.inf):
             raise ConfigError(key, value, "a finite number")
-    _choice("paradigm", config.paradigm, PARADIGMS)
+    _choice("paradigm", config.paradigm, PARADIGMS.names())
+    paradigm = config.paradigm_spec
     _choice("model.profile", config.model.profile, profile_names())
     profile = get_profile(config.model.profile)
     _choice("model.stage", config.model.stage, MODEL_STAGES)
@@ -338,16 +344,18 @@ def validate(config: SimConfig) -> None:
                           f"{config.data.train_limit // config.clients.count} per client")
     if config.data.alpha <= 0:
         raise ConfigError("data.alpha", config.data.alpha, "> 0")
-    if config.paradigm == "cl" and config.clients.count != 1:
-        raise ConfigError("clients.count", config.clients.count, "1 for paradigm cl (one trainer holds all data)")
+    if not paradigm.wire and config.clients.count != 1:
+        raise ConfigError("clients.count", config.clients.count,
+                          f"1 for paradigm {config.paradigm} (one trainer holds all data)")
     if not 0 < config.clients.fraction_train <= 1:
         raise ConfigError("clients.fraction_train", config.clients.fraction_train, "a share in (0, 1]")
     if not config.clients.worker_idle_s > 0:
         raise ConfigError("clients.worker_idle_s", config.clients.worker_idle_s, "> 0 seconds")
     for key in ("rounds", "steps_per_round", "batch_size", "grad_accum"):
         _at_least(f"train.{key}", getattr(config.train, key), 1)
-    if config.paradigm != "cl" and config.train.grad_accum != 1:
-        raise ConfigError("train.grad_accum", config.train.grad_accum, "1 unless paradigm=cl")
+    if paradigm.wire and config.train.grad_accum != 1:
+        single_trainer = "/".join(p.name for p in PARADIGMS if not p.wire)
+        raise ConfigError("train.grad_accum", config.train.grad_accum, f"1 unless paradigm={single_trainer}")
     if not config.train.lr > 0:
         raise ConfigError("train.lr", config.train.lr, "> 0")
     _at_least("train.weight_decay", config.train.weight_decay, 0)
@@ -366,12 +374,12 @@ def validate(config: SimConfig) -> None:
 
 def _validate_threat(config: SimConfig) -> None:
     threat = config.threat
-    _choice("threat.model", threat.model, list(THREAT_PARADIGMS))
-    paradigms = THREAT_PARADIGMS[threat.model]
-    if config.paradigm not in paradigms:
+    _choice("threat.model", threat.model, THREAT_MODELS.names())
+    paradigm = config.paradigm_spec
+    if not config.threat_spec.applies_to(paradigm):
         raise ConfigError(
             "threat.model", threat.model, f"a threat model of paradigm {config.paradigm}: "
-            + ", ".join(name for name, allowed in THREAT_PARADIGMS.items() if config.paradigm in allowed)
+            + ", ".join(model.name for model in THREAT_MODELS if model.applies_to(paradigm))
         )
     _at_least("threat.max_bytes", threat.max_bytes, 0)
     _at_least("threat.max_samples", threat.max_samples, 0)
@@ -381,9 +389,9 @@ def _validate_threat(config: SimConfig) -> None:
     # The hijack trains on public data before the first step: a split the clients hold whole leaves none.
     client_splits = {config.data.train_split: "train_limit", config.data.test_split: "test_limit"}
     limit_key = client_splits.get(threat.aux_split)
-    if threat.model == "active-fsha" and limit_key and getattr(config.data, limit_key) == 0:
+    if config.threat_spec.hijacks and limit_key and getattr(config.data, limit_key) == 0:
         raise ConfigError(
-            f"data.{limit_key}", 0, f"> 0 under threat.model=active-fsha: the attacker's public data is the rest of "
+            f"data.{limit_key}", 0, f"> 0 under threat.model={threat.model}: the attacker's public data is the rest of "
             f"the {threat.aux_split!r} split (threat.aux_split), and 0 gives all of it to the clients"
         )
 
@@ -396,11 +404,11 @@ def _validate_privacy(config: SimConfig) -> None:
         raise ConfigError("privacy.defenses", config.privacy.defenses, "each defense named once (one set of options each)")
     for name in names:
         stage = defense_class(name).stage
-        what, paradigms = STAGES[stage]
-        if config.paradigm not in paradigms:
+        if stage not in client_stages(config.paradigm_spec):
             raise ConfigError(
                 "privacy.defenses", config.privacy.defenses,
-                f"defenses a {config.paradigm} client can apply: {name} acts on {what} ({', '.join(paradigms)} only)",
+                f"defenses a {config.paradigm} client can apply: {name} acts on {STAGES[stage][0]} "
+                f"({', '.join(stage_paradigms(stage))} only)",
             )
     # Every defense's options, active or not: each is a key, and a typo must not wait for its use.
     for name in defense_names():
@@ -433,7 +441,7 @@ def _validate_federated_privacy(config: SimConfig) -> None:
     try:
         dp.validate()
         if config.paradigm not in dp.paradigms:
-            allowed = [mode for mode in MODES if config.paradigm in MODES[mode][2]]
+            allowed = [mode for mode in MODES if config.paradigm in mode_paradigms(mode)]
             raise OptionError("mode", dp.mode, f"a mode of paradigm {config.paradigm}: {', '.join(allowed)} "
                               f"({dp.mode} applies to {', '.join(dp.paradigms)})")
         if dp.mode == SGD:
@@ -444,7 +452,7 @@ def _validate_federated_privacy(config: SimConfig) -> None:
     try:
         secagg.validate()
         if secagg.enabled:
-            if config.paradigm not in ("fl", "mtv"):
+            if not config.paradigm_spec.aggregates:
                 raise OptionError("enabled", secagg.enabled, f"false for paradigm {config.paradigm} (SecAgg+ sums FedAvg "
                                   "updates and task-vector shares)")
             secagg.resolved(config.clients.sampled, secagg_weight(config))
@@ -457,7 +465,7 @@ def _validate_federated_privacy(config: SimConfig) -> None:
 
 def secagg_weight(config: SimConfig) -> float:
     """What a client weights its SecAgg+ vector by, at most: its examples in an FL round, its chunks in MTV."""
-    if config.paradigm == "mtv":
+    if not config.paradigm_spec.trains:
         return float(max(chunk_counts(config.privacy.mtv.chunks, config.clients.count)))
     return float(config.train.steps_per_round * config.train.batch_size)
 
@@ -477,7 +485,7 @@ def _validate_mtv(config: SimConfig) -> None:
     except ValueError:
         raise ConfigError("privacy.mtv.layers", options.layers, f"decoder layers in [0, {profile.num_layers}) "
                           f"(model.profile={config.model.profile} has {profile.num_layers})") from None
-    if config.paradigm != "mtv":
+    if config.paradigm_spec.trains:
         return
     if config.train.rounds != 1:
         raise ConfigError("train.rounds", config.train.rounds, "1 under paradigm mtv (a task vector is released once; "
@@ -537,11 +545,19 @@ def _check_dp_sgd(config: SimConfig) -> None:
 def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:
     _choice("pruning.policy", pruning.policy, policy_names())
     spec = get_policy(pruning.policy)
-    if not 0 <= pruning.ratio < 1:
-        raise ConfigError("pruning.ratio", pruning.ratio, "a share in [0, 1)")
-    if pruning.ratio and not spec.uses_ratio:
-        uses_ratio = [name for name in policy_names() if get_policy(name).uses_ratio]
-        raise ConfigError("pruning.ratio", pruning.ratio, f"0 unless pruning.policy is one of: {', '.join(uses_ratio)}")
+    settings = asdict(pruning)
+    try:
+        policy_options(spec, settings).validate()
+    except OptionError as error:
+        raise ConfigError(f"pruning.{error.option}", error.value, error.allowed) from None
+    # Another policy's option keeps its default: a ratio set for a policy that ignores it is a mistake.
+    declared = {policy.name: asdict(policy.Options()) for policy in POLICIES}
+    defaults = asdict(PruningConfig())
+    for key in sorted({key for options in declared.values() for key in options} - set(declared[spec.name])):
+        if settings[key] != defaults[key]:
+            owners = ", ".join(name for name, options in declared.items() if key in options)
+            default = f"{defaults[key]:g}" if isinstance(defaults[key], float) else repr(defaults[key])
+            raise ConfigError(f"pruning.{key}", settings[key], f"{default} unless pruning.policy is one of: {owners}")
     _at_least("pruning.alpha", pruning.alpha, 0)
     _at_least("pruning.beta", pruning.beta, 0)
     if pruning.alpha == pruning.beta == 0:

@@ -1,12 +1,14 @@
 """Defenses at the cut: one interface (privacy.base), one module per defense, each registered by name.
 
-The run config's `privacy.defenses` names the active ones in order and
+Every module of the package is imported here, so a defense's module registers it by being in
+the package. The run config's `privacy.defenses` names the active ones in order and
 `privacy.<name>.<option>` sets their options (training.defenses builds the chain);
 `qpriv-privacy paf` analyses how hard each layer of a model is to invert.
 """
 
 from privacy.base import (
     ACTIVATION,
+    DEFENSES,
     EDGE,
     EVAL,
     GRADIENT,
@@ -19,16 +21,19 @@ from privacy.base import (
     DefenseSeed,
     OptionError,
     Payload,
+    client_stages,
     defense_class,
     defense_names,
-    options_from,
     parse_defense_names,
     register_defense,
+    stage_paradigms,
 )
-from privacy import drop, nopeek, noise, positionless, pripert, shuffle, sparsification, tome  # noqa: F401  (each registers its defenses)
+from registry import import_modules, options_from
+
+import_modules(__name__)
 
 __all__ = [
-    "ACTIVATION", "EDGE", "EVAL", "GRADIENT", "LOSS", "STAGES", "TRAIN", "Defended", "Defense", "DefenseChain", "DefenseSeed",
-    "OptionError", "Payload", "defense_class", "defense_names", "options_from", "parse_defense_names",
-    "register_defense",
+    "ACTIVATION", "DEFENSES", "EDGE", "EVAL", "GRADIENT", "LOSS", "STAGES", "TRAIN", "Defended", "Defense", "DefenseChain",
+    "DefenseSeed", "OptionError", "Payload", "client_stages", "defense_class", "defense_names", "options_from",
+    "parse_defense_names", "register_defense", "stage_paradigms",
 ]

@@ -10,8 +10,8 @@ reads. Each defense names the stage it acts at:
 - EDGE: the visual tokens the client's vision tower forms, inside the tower (privacy.edge:
   its payload is `EdgeTokens`, not a `Payload`).
 
-`Defense.apply(payload, seed)` returns the defended payload and its metrics (the shape
-of pfl's `Postprocessor.postprocess_one_user`); a chain of none is the null object and
+`Defense.apply(payload, seed)` returns `Defended`: the defended payload and its metrics (the
+shape of pfl's `Postprocessor.postprocess_one_user`); a chain of none is the null object and
 returns the payload's very tensor. A defense's perturbation (noise, masks, directions)
 is data, not a function of the weights: gradients flow through the defended rows as
 they flow through `rows * mask + delta` with mask and delta fixed.
@@ -20,41 +20,49 @@ A defense that draws random numbers draws them only from `seed.generator()`, see
 by (privacy seed, client, round, step, phase, defense), so a front recomputed in a
 fresh process sends the payload the first computation sent.
 
-Each defense module ends with `register_defense(TheDefense)`; its `Options` dataclass
-owns the defaults, documents them and checks them (`validate` raises OptionError,
-which the run config reports under the key `privacy.<name>.<option>`).
+Each defense module ends with `register_defense(TheDefense)` (privacy/__init__.py imports
+every module of the package, so a new module is registered by being there); its `Options`
+dataclass owns the defaults, documents them and checks them (`validate` raises OptionError,
+which the run config reports under the key `privacy.<name>.<option>`), and its `strength`
+names the option a sweep varies.
 """
 
 import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+
+from registry import OptionError, Registry, check_names_an_option  # noqa: F401  (OptionError: the defenses' modules import it from here)
+from vlm.paradigms import PARADIGMS, Paradigm
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
 LOSS = "loss"
 EDGE = "edge"
-# What each stage acts on, and the paradigms where a client has it.
+# What each stage acts on, and the decoder cuts a paradigm needs for its client to have it (the
+# gradient at CB comes back to a client that holds the tail, behind the second cut).
 STAGES = {
-    ACTIVATION: ("the activation a split client sends at the first cut", ("sl", "usl")),
-    GRADIENT: ("the gradient a USL client returns at CB", ("usl",)),
-    LOSS: ("the client front's training loss", ("sl", "usl")),
-    EDGE: ("the visual tokens a split client's vision tower forms", ("sl", "usl")),
+    ACTIVATION: ("the activation a split client sends at the first cut", 1),
+    GRADIENT: ("the gradient a USL client returns at CB", 2),
+    LOSS: ("the client front's training loss", 1),
+    EDGE: ("the visual tokens a split client's vision tower forms", 1),
 }
 # Phases of a client's computation: a training step, or one token of greedy evaluation.
 TRAIN, EVAL = "train", "eval"
 
 
-class OptionError(ValueError):
-    """A defense option that is not allowed: names the option, the value and what is allowed."""
+def client_stages(paradigm: Paradigm) -> tuple[str, ...]:
+    """The stages a client of `paradigm` has."""
+    return tuple(stage for stage, (_, cuts) in STAGES.items() if paradigm.cuts >= cuts)
 
-    def __init__(self, option: str, value: Any, allowed: str) -> None:
-        self.option, self.value, self.allowed = option, value, allowed
-        super().__init__(f"{option}={value!r} is not allowed; allowed: {allowed}")
+
+def stage_paradigms(stage: str) -> list[str]:
+    """The paradigms whose clients have `stage`."""
+    return [paradigm.name for paradigm in PARADIGMS if stage in client_stages(paradigm)]
 
 
 @dataclass(frozen=True)
@@ -101,59 +109,61 @@ class Payload:
             raise ValueError(f"defense {defense!r} needs the payload's {missing} (it acts at the first cut)")
 
 
-@dataclass
-class Defended:
-    """A defense's output: the rows to send, a loss term for the client (LOSS stage) and metrics."""
+Rows = TypeVar("Rows")
 
-    rows: torch.Tensor
+
+@dataclass
+class Defended(Generic[Rows]):
+    """A defense's output: the rows to send (an EDGE defense: the tower's `EdgeTokens`), a loss
+    term for the client (LOSS stage) and metrics."""
+
+    rows: Rows
     loss: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Defense(ABC):
-    """Subclasses set `name`, `stage`, `Options` (a dataclass with `validate()`) and `random`."""
+    """Subclasses set `name`, `stage`, `Options` (a dataclass with `validate()`), `strength` and `random`."""
 
     name: ClassVar[str]
     stage: ClassVar[str]
     Options: ClassVar[type]
+    # The option that sets how strongly it defends, the one a sweep varies (the privacy-utility
+    # frontier's x axis); None: it has no such dial.
+    strength: ClassVar[str | None]
     # Whether `apply` draws random numbers (then only from the seed's generator).
     random: ClassVar[bool] = False
+
+    @classmethod
+    def strength_option(cls, options: Any) -> str | None:
+        """The option that sets the strength of this defense with `options` (a defense whose
+        variants have different dials says which one this variant turns)."""
+        return cls.strength
 
     def __init__(self, options: Any = None) -> None:
         self.options = self.Options() if options is None else options
         check_options(type(self), self.options)
 
     @abstractmethod
-    def apply(self, payload: Payload, seed: DefenseSeed) -> Defended:
+    def apply(self, payload: Payload, seed: DefenseSeed) -> Defended[torch.Tensor]:
         """The defended payload and what the defense measured on it."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stage": self.stage, "options": asdict(self.options)}
 
 
-_DEFENSES: dict[str, type[Defense]] = {}
-
-
-def register_defense(defense: type[Defense], *, replace: bool = False) -> type[Defense]:
+def _check_defense(defense: type[Defense]) -> None:
+    if not hasattr(defense, "strength"):
+        raise ValueError(f"defense {defense.name!r} does not declare its strength (an option, or None)")
     if defense.stage not in STAGES:
         raise ValueError(f"defense {defense.name!r}: stage={defense.stage!r}; allowed: {sorted(STAGES)}")
-    if defense.name in _DEFENSES and not replace:
-        raise ValueError(f"a defense named {defense.name!r} is already registered; pass replace=True")
     if not defense.name.isidentifier():
         raise ValueError(f"defense name {defense.name!r} must be an identifier (it is a config key)")
-    _DEFENSES[defense.name] = defense
-    return defense
+    check_names_an_option("defense", defense, "strength")
 
 
-def defense_names() -> list[str]:
-    return list(_DEFENSES)
-
-
-def defense_class(name: str) -> type[Defense]:
-    try:
-        return _DEFENSES[name]
-    except KeyError:
-        raise ValueError(f"no defense named {name!r}; registered: {', '.join(_DEFENSES)}") from None
+DEFENSES: Registry[type[Defense]] = Registry("defense", check=_check_defense)
+register_defense, defense_class, defense_names = DEFENSES.register, DEFENSES.get, DEFENSES.names
 
 
 def check_options(defense: type[Defense], options: Any) -> None:
@@ -166,15 +176,6 @@ def parse_defense_names(text: str) -> list[str]:
     """`privacy.defenses` ("noise,sparsify"; "" or "none": none) as names, in order."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     return [] if names == ["none"] else names
-
-
-def options_from(defense: type[Defense], values: Mapping[str, Any]) -> Any:
-    """The defense's Options from a mapping of option values (unknown names refused)."""
-    allowed = {f.name for f in fields(defense.Options)}
-    unknown = sorted(set(values) - allowed)
-    if unknown:
-        raise OptionError(unknown[0], values[unknown[0]], f"an option of {defense.name}: {', '.join(sorted(allowed))}")
-    return replace(defense.Options(), **values)
 
 
 class DefenseChain:

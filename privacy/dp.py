@@ -40,6 +40,7 @@ from flwr.supercore.privacy_accounting import (
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from privacy.base import OptionError
+from vlm.paradigms import PARADIGMS
 
 OFF = "off"
 CENTRAL = "central"
@@ -47,17 +48,29 @@ CENTRAL_ADAPTIVE = "central-adaptive"
 CENTRAL_CLIENT_CLIPPING = "central-client-clipping"
 LOCAL = "local"
 SGD = "sgd"
-# Each mode: what it does, whether the server (not the client) adds the noise, and the
-# paradigms it applies to.
-MODES = {
-    OFF: ("no differential privacy", False, ("cl", "fl", "sl", "usl", "mtv")),
-    CENTRAL: ("the server clips each client's update to `clip` and noises their average", True, ("fl",)),
-    CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True, ("fl",)),
-    CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True, ("fl",)),
-    LOCAL: ("each client clips its update to `clip` and noises it before it leaves", False, ("fl",)),
+
+
+# Each mode: what it does, whether the server (not the client) adds the noise, and the property
+# (vlm.paradigms.Paradigm) a paradigm needs for the mode to apply (None: every paradigm).
+MODES: dict[str, tuple[str, bool, str | None]] = {
+    OFF: ("no differential privacy", False, None),
+    CENTRAL: ("the server clips each client's update to `clip` and noises their average", True, "averages_updates"),
+    CENTRAL_ADAPTIVE: ("as central, with the clipping norm adapted to a quantile of the update norms", True,
+                       "averages_updates"),
+    CENTRAL_CLIENT_CLIPPING: ("each client clips its update to `clip`, the server noises the average", True,
+                              "averages_updates"),
+    LOCAL: ("each client clips its update to `clip` and noises it before it leaves", False, "averages_updates"),
     SGD: ("DP-SGD: each client clips each sample's gradient to `clip` and noises their sum (privacy.dp_sgd)", False,
-          ("cl", "fl", "sl", "usl")),
+          "trains"),
 }
+
+
+def mode_paradigms(mode: str) -> tuple[str, ...]:
+    """The paradigms `mode` applies to."""
+    needs = MODES[mode][2]
+    return tuple(paradigm.name for paradigm in PARADIGMS if needs is None or getattr(paradigm, needs))
+
+
 # Noise multipliers tried while calibrating to a target epsilon: beyond the upper end the
 # updates are noise (std 1000× the clipping norm on their sum) and the target is refused.
 _CALIBRATION_RANGE = (1e-3, 1e3)
@@ -119,7 +132,7 @@ class DPOptions:
 
     @property
     def paradigms(self) -> tuple[str, ...]:
-        return MODES[self.mode][2]
+        return mode_paradigms(self.mode)
 
     @property
     def server_noise(self) -> bool:

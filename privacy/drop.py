@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from privacy.base import DefenseSeed, OptionError, register_defense
+from privacy.base import Defended, DefenseSeed, OptionError, register_defense
 from privacy.edge import EdgeDefense, EdgeTokens
 
 
@@ -27,6 +27,7 @@ class DropOptions:
 class TokenDrop(EdgeDefense):
     name = "drop"
     Options = DropOptions
+    strength = "r"
     random = True
     removes_tokens = True
 
@@ -35,12 +36,13 @@ class TokenDrop(EdgeDefense):
             raise OptionError("r", self.options.r, f"at most {(patches - 1) // blocks}: {blocks} blocks of "
                               f"{patches} patches must leave a token")
 
-    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
+    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> Defended[EdgeTokens]:
         # One generator per block, so the draw at block b does not depend on the chain before it.
         generator = seed.generator(f"{self.name}/{payload.block}")
         batch, count = payload.positions.shape
         kept = [torch.randperm(count, generator=generator)[self.options.r:].sort().values for _ in range(batch)]
-        return payload.take(torch.stack(kept).to(payload.tokens.device)), {"dropped": float(self.options.r)}
+        kept_tokens = payload.take(torch.stack(kept).to(payload.tokens.device))
+        return Defended(kept_tokens, metrics={"dropped": float(self.options.r)})
 
 
 register_defense(TokenDrop)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from privacy.base import EDGE, Defense, DefenseChain, DefenseSeed
+from privacy.base import EDGE, Defended, Defense, DefenseChain, DefenseSeed
 from vlm.segments import llava_parts
 
 
@@ -54,7 +54,7 @@ class EdgeTokens:
 
 
 class EdgeDefense(Defense):
-    """A defense inside the vision tower: `apply` takes and returns `EdgeTokens`, with its metrics."""
+    """A defense inside the vision tower: `apply` takes `EdgeTokens` and returns them in `Defended`."""
 
     stage = EDGE
     # Whether the tokens leave out of patch order (then the sent order is the tower's).
@@ -65,7 +65,7 @@ class EdgeDefense(Defense):
     removes_tokens = False
 
     @abstractmethod
-    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
+    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> Defended[EdgeTokens]:
         """The tokens after this block's operation, and what the operation measured."""
 
     def check(self, patches: int, blocks: int) -> None:
@@ -136,8 +136,9 @@ def edge_vision_tokens(model: nn.Module, pixel_values: torch.Tensor, chain: Defe
             state = EdgeTokens(hidden[:, 1:], positions, sizes[:, 1:], None if keys is None else keys[:, 1:],
                                block, blocks)
             for defense in defenses:
-                state, measured = defense.apply(state, seed)
-                for key, value in measured.items():
+                defended = defense.apply(state, seed)
+                state = defended.rows
+                for key, value in defended.metrics.items():
                     name = f"{defense.name}.{key}"
                     metrics[name] = metrics.get(name, 0.0) + value
             hidden = torch.cat([hidden[:, :1], state.tokens], dim=1)

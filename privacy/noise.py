@@ -37,6 +37,7 @@ class GaussianNoise(Defense):
     name = "noise"
     stage = ACTIVATION
     Options = NoiseOptions
+    strength = "variance"
     random = True
 
     def apply(self, payload: Payload, seed: DefenseSeed) -> Defended:

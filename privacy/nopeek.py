@@ -51,6 +51,7 @@ class NoPeek(Defense):
     name = "nopeek"
     stage = LOSS
     Options = NoPeekOptions
+    strength = "weight"
     random = True
 
     def apply(self, payload: Payload, seed: DefenseSeed) -> Defended:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from privacy.base import DefenseSeed, OptionError, register_defense
+from privacy.base import Defended, DefenseSeed, OptionError, register_defense
 from privacy.edge import EdgeDefense, EdgeTokens
 from vlm.segments import (
     IGNORE_INDEX,
@@ -206,6 +206,8 @@ class PositionlessOptions:
 class PositionlessEdge(EdgeDefense):
     name = "positionless"
     Options = PositionlessOptions
+    # How well it hides positions was fixed when its tower was distilled (`qpriv-privacy positionless`).
+    strength = None
 
     def __init__(self, options: PositionlessOptions | None = None) -> None:
         super().__init__(options)
@@ -228,9 +230,9 @@ class PositionlessEdge(EdgeDefense):
             self._tower = defended.requires_grad_(False).eval()
         return self._tower
 
-    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
+    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> Defended[EdgeTokens]:
         # The defense is the tower itself: nothing changes between its blocks.
-        return payload, {}
+        return Defended(payload)
 
 
 register_defense(PositionlessEdge)

@@ -164,7 +164,12 @@ class PriPert(Defense):
     name = "pripert"
     stage = ACTIVATION
     Options = PriPertOptions
+    strength = "sparsity"
     random = True
+
+    @classmethod
+    def strength_option(cls, options: PriPertOptions) -> str:
+        return "budget" if options.variant == "l2" else cls.strength
 
     def direction(self, payload: Payload, seed: DefenseSeed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u, J̄ᵀu, σ²) on the path of `steps` points: the leading direction of J̄⁻¹ per sample."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from privacy.base import DefenseSeed, OptionError, register_defense
+from privacy.base import Defended, DefenseSeed, OptionError, register_defense
 from privacy.edge import EdgeDefense, EdgeTokens
 
 
@@ -30,6 +30,8 @@ class ShuffleOptions:
 class TokenShuffle(EdgeDefense):
     name = "shuffle"
     Options = ShuffleOptions
+    # A permutation is all or nothing.
+    strength = None
     random = True
     reorders = True
 
@@ -37,14 +39,14 @@ class TokenShuffle(EdgeDefense):
         if self.options.block > blocks:
             raise OptionError("block", self.options.block, f"-1 or 1..{blocks} (the vision blocks that run)")
 
-    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
+    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> Defended[EdgeTokens]:
         at = payload.blocks if self.options.block == -1 else self.options.block
         if payload.block != at:
-            return payload, {}
+            return Defended(payload)
         generator = seed.generator(self.name)
         batch, count = payload.positions.shape
         order = torch.stack([torch.randperm(count, generator=generator) for _ in range(batch)]).to(payload.tokens.device)
-        return payload.take(order), {}
+        return Defended(payload.take(order))
 
 
 register_defense(TokenShuffle)

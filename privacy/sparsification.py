@@ -57,6 +57,7 @@ class Sparsification(Defense):
     name = "sparsify"
     stage = ACTIVATION
     Options = SparsifyOptions
+    strength = "ratio"
 
     def apply(self, payload: Payload, seed: DefenseSeed) -> Defended:
         return sparsify(payload, self.options.ratio, self.options.level)
@@ -76,6 +77,7 @@ class GradientTopK(Defense):
     name = "grad_topk"
     stage = GRADIENT
     Options = TopKOptions
+    strength = "ratio"
 
     def apply(self, payload: Payload, seed: DefenseSeed) -> Defended:
         return sparsify(payload, self.options.ratio, "element")

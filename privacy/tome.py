@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from privacy.base import DefenseSeed, OptionError, register_defense
+from privacy.base import Defended, DefenseSeed, OptionError, register_defense
 from privacy.edge import EdgeDefense, EdgeTokens
 
 
@@ -57,6 +57,7 @@ def bipartite_merge(state: EdgeTokens, r: int) -> EdgeTokens:
 class TokenMerge(EdgeDefense):
     name = "tome"
     Options = ToMeOptions
+    strength = "r"
     reads_keys = True
     removes_tokens = True
 
@@ -65,10 +66,10 @@ class TokenMerge(EdgeDefense):
         if self.options.r > patches // 2:
             raise OptionError("r", self.options.r, f"at most {patches // 2} (half the {patches} patches)")
 
-    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> tuple[EdgeTokens, dict[str, float]]:
+    def apply(self, payload: EdgeTokens, seed: DefenseSeed) -> Defended[EdgeTokens]:
         before = payload.positions.shape[1]
         merged = bipartite_merge(payload, self.options.r)
-        return merged, {"merged": float(before - merged.positions.shape[1])}
+        return Defended(merged, metrics={"merged": float(before - merged.positions.shape[1])})
 
 
 register_defense(TokenMerge)

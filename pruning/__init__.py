@@ -6,7 +6,7 @@
 - pruning.module: QPrivVL (relevance, sensitivity, fusion, threshold head) and the keep rule
 - pruning.inputs: the encoders' per-sample outputs, computed once and cached
 - pruning.artifacts: the trained module and the oracle table on disk
-- pruning.policies: the registry of policies (off, fixed, dtp, oracle) and their selectors
+- pruning.policies: the policies' registry and their selectors, a module per family (off; qpriv_vl: fixed, dtp, oracle)
 - pruning.metrics: keep-count and exclusion-ratio summaries, the per-round pruning record
 - pruning.prepare: "prepare DTP" (oracle, teacher, student) into an artefacts folder; `qpriv-prune prepare`
 """
@@ -44,7 +44,10 @@ from pruning.module import (
     keep_indices,
 )
 from pruning.policies import (
+    POLICIES,
+    FixedOptions,
     KeepAll,
+    NoOptions,
     PolicyContext,
     PolicySpec,
     ScoredSelector,
@@ -53,9 +56,11 @@ from pruning.policies import (
     build_policy,
     get_policy,
     policy_names,
+    policy_options,
     register_policy,
 )
 from pruning.profiles import (
+    PRUNING_PROFILES,
     PruningProfile,
     TowerRecipe,
     get_pruning_profile,
@@ -74,9 +79,13 @@ __all__ = [
     "ORACLE_FILE",
     "ArtifactError",
     "ExclusionSummary",
+    "FixedOptions",
     "FrozenEncoders",
     "KeepAll",
     "KeepCountSummary",
+    "NoOptions",
+    "POLICIES",
+    "PRUNING_PROFILES",
     "PruningRecord",
     "PolicyContext",
     "PolicySpec",
@@ -104,6 +113,7 @@ __all__ = [
     "load_trained_encoders",
     "oracle_key",
     "policy_names",
+    "policy_options",
     "pruning_profile_names",
     "register_policy",
     "register_pruning_profile",

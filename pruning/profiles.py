@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm.profiles import Profile, get_profile
+from registry import Registry
+from vlm.profiles import PROFILES, Profile
 
 # The sensitivity summary fed to the threshold head: mean, max, fraction above 0.5.
 SENSITIVITY_SUMMARY_SIZE = 3
@@ -100,7 +101,7 @@ class PruningProfile:
     @property
     def model(self) -> Profile:
         """The model profile this prunes for (same name)."""
-        return get_profile(self.name)
+        return PROFILES.get(self.name)
 
     @property
     def num_patches(self) -> int:
@@ -136,28 +137,14 @@ class PruningProfile:
         return self.vision_hidden_size + self.text_hidden_size + SENSITIVITY_SUMMARY_SIZE
 
 
-_PRUNING_PROFILES: dict[str, PruningProfile] = {}
-
-
-def register_pruning_profile(profile: PruningProfile, *, replace: bool = False) -> PruningProfile:
-    """Make a pruning profile available under its model profile's name."""
-    if profile.name in _PRUNING_PROFILES and not replace:
-        raise ValueError(f"pruning profile {profile.name!r} is already registered; pass replace=True to redefine it")
-    _PRUNING_PROFILES[profile.name] = profile
-    return profile
+# Keyed by the model profiles' registry: a pruning profile whose name vlm.profiles does not
+# register cannot be built (PruningProfile.model).
+PRUNING_PROFILES: Registry[PruningProfile] = Registry("pruning profile")
+register_pruning_profile, get_pruning_profile = PRUNING_PROFILES.register, PRUNING_PROFILES.get
 
 
 def pruning_profile_names() -> list[str]:
-    return sorted(_PRUNING_PROFILES)
-
-
-def get_pruning_profile(name: str) -> PruningProfile:
-    try:
-        return _PRUNING_PROFILES[name]
-    except KeyError:
-        raise ValueError(
-            f"no pruning profile for model profile {name!r}; known: {sorted(_PRUNING_PROFILES)}"
-        ) from None
+    return sorted(PRUNING_PROFILES.names())
 
 
 LLAVA_15_7B = register_pruning_profile(

@@ -10,15 +10,19 @@ Any folder is searched for run folders (those holding config.json), so a sweep f
 folder of sweeps, a sweep's archive (sims/archive.py) or single runs all load the same way. A run folder that lacks a file or
 holds a torn one is listed in `incomplete` with the reason, never raised. The helpers below
 (`mia_roc`, `reconstructions`, `claims`, `defense_claims`, `edge_claims`, `defense_frontier`,
-`defense_table`) read only what a run wrote. A defended run's `defense_setting` names each defense with its
-strength and the options that differ from its defaults; a single-defense run also has a
-`defense_series` (the setting without its strength) and a `defense_strength`, the frontier's
-line and x.
+`defense_table`) read only what a run wrote, and what each registered method declares of itself
+(a defense's strength option, an attack's kind and headline metrics, a policy's budget). A
+defended run's `defense_setting` names each defense with its strength and the options that
+differ from its defaults; a single-defense run also has a `defense_series` (the setting without
+its strength) and a `defense_strength`, the frontier's line and x.
 
 An attack result's `attack` is the label it was saved under: a sweep may replay one attack
 several times with other options (`[attacks.actinv_masked] attack = "actinv"`), and each label
 is its own `attack` value ("actinv_masked", "fora_adaptive") beside the plain one; `base_attack`
 is the registered attack behind it (the headline metric comes from it).
+
+Colours come from the registries' order, so a method has one colour in every figure
+(`ATTACK_COLORS`, `PARADIGM_COLORS`).
 """
 
 import json
@@ -33,11 +37,14 @@ import pandas as pd
 from safetensors.torch import load_file
 from sklearn.metrics import roc_curve
 
+from attacks.base import ATTACKS, IMAGE, MEMBERSHIP, PASSIVE
 from attacks.context import ATTACK_FOLDER
 from attacks.metrics import PURI_LAMBDA, puri
-from privacy import EDGE, defense_class, parse_defense_names
-from privacy import defense_names as registered_defenses
+from config import threats
+from privacy import DEFENSES, EDGE, defense_class, options_from, parse_defense_names
+from pruning import POLICIES
 from sims.archive import MARKER as ARCHIVE_MARKER
+from vlm.paradigms import MTV, PARADIGMS
 
 # Settings every table carries, from the run's resolved config.
 SETTINGS = {
@@ -49,19 +56,23 @@ SETTINGS = {
 # each one's options are the keys under privacy.<name>.
 DEFENSES_KEY = "privacy.defenses"
 NO_DEFENSE = "none"
-# The option that sets each defense's strength (per variant where it has them): the frontier's x axis.
-STRENGTH: dict[str, dict[str | None, str]] = {
-    "noise": {None: "variance"}, "grad_noise": {None: "variance"}, "sparsify": {None: "ratio"},
-    "grad_topk": {None: "ratio"}, "pripert": {None: "sparsity", "l2": "budget"}, "nopeek": {None: "weight"},
-    "tome": {None: "r"}, "drop": {None: "r"},
-}
-# Each attack's headline numbers (image attacks: PSNR in dB); a result reports those of its
-# observation: iDLG on USL's gradient at CB scores each sample's answer (label_accuracy), on an FL
-# update the answer tokens of the whole update's batch (label_precision).
-HEADLINE = {"fora": ("psnr",), "fsha": ("psnr",), "sara": ("psnr",), "actinv": ("token_recall",),
-            "idlg": ("label_accuracy", "label_precision"), "mia": ("attack_success",),
-            "mia_loss": ("attack_success",)}
-IMAGE_ATTACKS = ("fora", "fsha", "sara")
+IMAGE_ATTACKS = tuple(attack.name for attack in ATTACKS if attack.kind == IMAGE)
+MEMBERSHIP_ATTACKS = tuple(attack.name for attack in ATTACKS if attack.kind == MEMBERSHIP)
+# The defenses that act inside the vision tower (privacy.edge).
+EDGE_DEFENSES = tuple(defense.name for defense in DEFENSES if defense.stage == EDGE)
+# matplotlib's default colour cycle: the n-th registered method takes the n-th colour.
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+           "tab:olive", "tab:cyan")
+
+
+def colors(names: Iterable[str]) -> dict[str, str]:
+    """A colour per name, in order (past ten the cycle repeats)."""
+    return {name: PALETTE[index % len(PALETTE)] for index, name in enumerate(names)}
+
+
+ATTACK_COLORS = colors(ATTACKS.names())
+# The training paradigms (the task-vector runs have figures of their own).
+PARADIGM_COLORS = colors(paradigm.name for paradigm in PARADIGMS if paradigm.trains)
 PAPER_MIA_UNDEFENDED = 0.99
 PAPER_MIA_QPRIV = (0.76, 0.79)
 PAPER_EXCLUSION_RATIO = (1.20, 0.18)
@@ -95,9 +106,11 @@ def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def policy_label(policy: str, ratio: float) -> str:
-    """The pruning policy as the papers name it: off, fixed-0.5, dtp, oracle."""
-    return f"fixed-{ratio:g}" if policy == "fixed" else policy
+def policy_label(config: dict[str, Any]) -> str:
+    """The run's pruning policy as the papers name it, with its budget where it has one: off, fixed-0.5, dtp, oracle."""
+    policy = config.get("pruning.policy", "off")
+    budget = POLICIES.get(policy).budget if policy in POLICIES else None
+    return policy if budget is None else f"{policy}-{config.get(f'pruning.{budget}', 0.0):g}"
 
 
 def defense_names(config: dict[str, Any]) -> list[str]:
@@ -105,18 +118,26 @@ def defense_names(config: dict[str, Any]) -> list[str]:
     return parse_defense_names(str(config.get(DEFENSES_KEY) or ""))
 
 
+def _configured(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """Defense `name`'s options as the run's config holds them (its keys `privacy.<name>.<option>`)."""
+    prefix = f"privacy.{name}."
+    return {key[len(prefix):]: value for key, value in sorted(config.items()) if key.startswith(prefix)}
+
+
 def _strength_option(config: dict[str, Any], name: str) -> str | None:
-    choices = STRENGTH.get(name)
-    return None if choices is None else choices.get(config.get(f"privacy.{name}.variant"), choices[None])
+    """The option that sets defense `name`'s strength in the run (None: it has none)."""
+    defense = defense_class(name)
+    declared = asdict(defense.Options())
+    return defense.strength_option(options_from(defense, {option: value for option, value in
+                                                          _configured(config, name).items() if option in declared}))
 
 
 def _options(config: dict[str, Any], name: str) -> dict[str, Any]:
     """A defense's options in the run that differ from the defense's defaults, and its strength."""
     defaults = asdict(defense_class(name).Options())
     strength = _strength_option(config, name)
-    prefix = f"privacy.{name}."
-    return {key[len(prefix):]: value for key, value in sorted(config.items()) if key.startswith(prefix)
-            and (value != defaults.get(key[len(prefix):]) or key[len(prefix):] == strength)}
+    return {option: value for option, value in _configured(config, name).items()
+            if value != defaults.get(option) or option == strength}
 
 
 def _label(name: str, options: dict[str, Any]) -> str:
@@ -150,13 +171,13 @@ def privacy_setting(config: dict[str, Any]) -> str:
 
 
 def defense_series(config: dict[str, Any]) -> tuple[str, float | None]:
-    """A single-defense run's series (its setting without the option STRENGTH names) and that
+    """A single-defense run's series (its setting without its strength option) and that
     strength: the frontier draws one line per series along the strength."""
     names = defense_names(config)
-    if len(names) != 1 or names[0] not in STRENGTH:
+    option = _strength_option(config, names[0]) if len(names) == 1 else None
+    if option is None:
         return defense_setting(config), None
     name = names[0]
-    option = _strength_option(config, name)
     options = _options(config, name)
     strength = options.get(option, asdict(defense_class(name).Options())[option])
     return _label(name, {k: v for k, v in options.items() if k != option}), float(strength)
@@ -190,7 +211,7 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
     row: dict[str, Any] = {
         "run": name, "folder": str(folder), "sweep": folder.parent.parent.name if folder.parent.name == "runs" else "",
         **{column: config.get(key) for column, key in SETTINGS.items()},
-        "policy": policy_label(config.get("pruning.policy", "off"), config.get("pruning.ratio", 0.0)),
+        "policy": policy_label(config),
         "defenses": "+".join(defenses) if defenses else NO_DEFENSE, "defense_setting": defense_setting(config),
         **dict(zip(("defense_series", "defense_strength"), defense_series(config), strict=True)),
         "privacy_setting": privacy_setting(config),
@@ -293,7 +314,7 @@ def reconstructions(folder: str | Path, attack: str, count: int = 8) -> tuple[np
 def paradigm_table(results: Results) -> pd.DataFrame:
     """Per paradigm of runs without an attacker: final accuracy, loss, bytes, round trips, wall time."""
     runs = results.finished()
-    runs = runs[runs["threat"] == "none"] if "threat" in runs else runs
+    runs = runs[runs["threat"] == threats.HONEST.name] if "threat" in runs else runs
     if runs.empty:
         return pd.DataFrame()
     table = runs[["run", "paradigm", "clients", "steps", "test_accuracy", "train_loss", "bytes_up", "bytes_down",
@@ -306,7 +327,8 @@ def paradigm_table(results: Results) -> pd.DataFrame:
 def pruning_table(results: Results) -> pd.DataFrame:
     """Per paradigm and policy, under a passive server: accuracy, kept tokens, bytes, removal."""
     runs = results.finished()
-    runs = runs[(runs["threat"] == "passive") & (runs["defenses"] == NO_DEFENSE)] if "threat" in runs else runs
+    runs = (runs[(runs["threat"] == threats.PASSIVE.name) & (runs["defenses"] == NO_DEFENSE)] if "threat" in runs
+            else runs)
     if runs.empty:
         return pd.DataFrame()
     table = runs[["paradigm", "policy", "test_accuracy", "test_count", "kept_tokens_mean", "patches_removed_share",
@@ -320,11 +342,9 @@ def _headlines(group: pd.DataFrame, row: dict[str, Any]) -> dict[str, Any]:
     for _, result in group.iterrows():
         base = result.get("base_attack")
         base = result["attack"] if not isinstance(base, str) else base
-        for metric in HEADLINE.get(base, ()):
+        for metric in ATTACKS.get(base).headline if base in ATTACKS else ():
             if metric in result and pd.notna(result[metric]):
                 row[f"{result['attack']}_{metric}"] = result[metric]
-        if base in ("fora", "fsha") and pd.notna(result.get("mark_readback")):
-            row[f"{result['attack']}_mark_readback"] = result["mark_readback"]
     return row
 
 
@@ -375,7 +395,7 @@ def federated_privacy_table(results: Results) -> pd.DataFrame:
         row = _headlines(group, {"paradigm": paradigm, "policy": policy, "privacy_setting": setting,
                                  "test_accuracy": group["test_accuracy"].mean(),
                                  "accountant_epsilon": group["accountant_epsilon"].max()})
-        for _, result in group[group["base_attack"].isin(["mia", "mia_loss"])].iterrows():
+        for _, result in group[group["base_attack"].isin(MEMBERSHIP_ATTACKS)].iterrows():
             row.update({f"{result['attack']}_{m}": result[m] for m in AUDIT_METRICS if m in result and pd.notna(result[m])})
         rows.append(row)
     return pd.DataFrame(rows).sort_values(["paradigm", "policy", "privacy_setting"]).reset_index(drop=True)
@@ -410,7 +430,7 @@ def mtv_table(results: Results) -> pd.DataFrame:
     runs = results.finished()
     if runs.empty or "paradigm" not in runs:
         return pd.DataFrame()
-    runs = runs[runs["paradigm"] == "mtv"]
+    runs = runs[runs["paradigm"] == MTV.name]
     if runs.empty:
         return pd.DataFrame()
     rows = []
@@ -524,6 +544,14 @@ def _same_release(federated: pd.DataFrame, central: pd.DataFrame) -> tuple[bool 
 IMAGE_METRICS = ("ssim", "psnr", "fsim", "mark_readback", "position_accuracy")
 
 
+def label_attack(label: str) -> str | None:
+    """The registered attack a result label replays: the label itself, else the longest registered
+    name it extends with "_" (the sweeps' convention: fora_adaptive replays fora); None if neither."""
+    if label in ATTACKS:
+        return label
+    return max((name for name in ATTACKS.names() if label.startswith(f"{name}_")), key=len, default=None)
+
+
 def image_attack_table(results: Results) -> pd.DataFrame:
     """Per paradigm, profile, policy, threat and defense setting: test accuracy, kept tokens, the mean
     auxiliary image's SSIM and PSNR against the victims (what an attacker gets for recovering nothing)
@@ -595,7 +623,7 @@ def best_by_puri(table: pd.DataFrame) -> pd.DataFrame:
 
 
 # Servers that only watch: their runs train as unrecorded ones do, so they count as seeds of one setting.
-WATCHING_THREATS = ("none", "passive")
+WATCHING_THREATS = tuple(model.name for model in threats.THREAT_MODELS if not model.hijacks)
 SEED_KEYS = ["sweep", "paradigm", "profile", "policy", "defense_setting"]
 
 
@@ -677,15 +705,16 @@ def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
     runs = results.finished()
     runs = runs[(runs["paradigm"] == paradigm) & (runs["defenses"] == NO_DEFENSE)] if not runs.empty else runs
     runs = policy_comparisons(runs)
-    dtp_run = _one(runs, policy="dtp", threat="passive")
+    dtp_run = _one(runs, policy="dtp", threat=threats.PASSIVE.name)
     ratio = None if dtp_run is None else dtp_run.get("exclusion_ratio")
     add("sensitivity exclusion ratio of DTP", f"{PAPER_EXCLUSION_RATIO[0]:.2f} ± {PAPER_EXCLUSION_RATIO[1]:.2f}",
         "—" if ratio is None or pd.isna(ratio) else f"{ratio:.2f}",
         None if ratio is None or pd.isna(ratio) else bool(ratio >= EXCLUSION_HOLDS),
         f"holds if ≥ {EXCLUSION_HOLDS:.2f}, the paper's mean less one standard deviation (> 1: sensitive patches "
         "removed preferentially)")
-    off_run = _one(runs, policy="off", threat="passive")
-    fixed = runs[(runs["policy"].str.startswith("fixed")) & (runs["threat"] == "passive")] if not runs.empty else runs
+    off_run = _one(runs, policy="off", threat=threats.PASSIVE.name)
+    fixed = (runs[(runs["policy"].str.startswith("fixed")) & (runs["threat"] == threats.PASSIVE.name)]
+             if not runs.empty else runs)
     if off_run is None or fixed.empty:
         add("competitive accuracy at about 40% of the token budget", "~40% of tokens", "—", None,
             "needs an unpruned and fixed-ratio runs")
@@ -756,7 +785,7 @@ def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
     rows: list[dict[str, str]] = []
     attacks = results.attacks
     if not attacks.empty:
-        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")
+        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == threats.PASSIVE.name)
                           & (attacks["policy"] == "off")]
         # Undefended references from the sweeps that ran defenses (same data, steps and attack options).
         attacks = attacks[attacks["sweep"].isin(set(attacks[attacks["defenses"] != NO_DEFENSE]["sweep"]))]
@@ -822,7 +851,8 @@ def defense_claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
 NOTHING_DB = 1.0
 RESTORED_SHARE = 0.5
 NEAR_CHANCE = 2.0
-EDGE_ATTACKS = ("sara", "sara_adaptive", "fora", "fora_adaptive")
+# The image attacks a passive server runs on what the vision edge sends (each label of theirs counts).
+EDGE_ATTACKS = tuple(attack.name for attack in ATTACKS if attack.kind == IMAGE and attack.threat_model == PASSIVE)
 
 
 def _gain(row: pd.Series, measured: str = "psnr") -> float:
@@ -830,18 +860,20 @@ def _gain(row: pd.Series, measured: str = "psnr") -> float:
     return float(row[measured] - row["baseline_psnr"])
 
 
-def _edge_best(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] = EDGE_ATTACKS
+def _edge_best(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] | None = None
                ) -> tuple[float | None, str | None]:
-    """The largest gain over the mean image (dB) any of `labels` reached on the run of `setting` and
-    `policy` (the attacker picks its best), and the label that reached it."""
+    """The largest gain over the mean image (dB) any of `labels` (None: every label of EDGE_ATTACKS)
+    reached on the run of `setting` and `policy` (the attacker picks its best), and the label that reached it."""
     best = _best_row(attacks, setting, policy, labels)
     return (None, None) if best is None else (_gain(best), str(best["attack"]))
 
 
-def _best_row(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str]) -> pd.Series | None:
-    """The row of `labels` with the largest gain over the mean image on the run of `setting` and `policy`."""
-    chosen = attacks[(attacks["defense_setting"] == setting) & (attacks["policy"] == policy)
-                     & attacks["attack"].isin(labels)].dropna(subset=["psnr", "baseline_psnr"])
+def _best_row(attacks: pd.DataFrame, setting: str, policy: str, labels: Sequence[str] | None) -> pd.Series | None:
+    """The row of `labels` (None: every label of EDGE_ATTACKS) with the largest gain over the mean image on
+    the run of `setting` and `policy`."""
+    chosen = attacks[(attacks["defense_setting"] == setting) & (attacks["policy"] == policy)]
+    chosen = chosen[chosen["base_attack"].isin(EDGE_ATTACKS) if labels is None else chosen["attack"].isin(labels)]
+    chosen = chosen.dropna(subset=["psnr", "baseline_psnr"])
     return None if chosen.empty else chosen.loc[(chosen["psnr"] - chosen["baseline_psnr"]).idxmax()]
 
 
@@ -873,11 +905,9 @@ def edge_claims(results: Results, paradigm: str = "usl", profile: str | None = N
         return f"{100 * sara['position_accuracy']:.1f}% of rows (chance {100 * sara['chance_position_accuracy']:.1f}%)"
 
     attacks = results.attacks
-    # The registered defenses that act inside the vision tower (privacy.edge).
-    edge = {name for name in registered_defenses() if defense_class(name).stage == EDGE}
     if not attacks.empty:
-        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == "passive")]
-        defended = attacks[attacks["defenses"].map(lambda d: bool(set(str(d).split("+")) & edge))]
+        attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == threats.PASSIVE.name)]
+        defended = attacks[attacks["defenses"].map(lambda d: bool(set(str(d).split("+")) & set(EDGE_DEFENSES)))]
         if profile is None and not defended.empty:
             profile = str(defended["profile"].mode().iloc[0])
         attacks = attacks[attacks["sweep"].isin(set(defended["sweep"])) & (attacks["profile"] == profile)]

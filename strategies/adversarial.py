@@ -40,7 +40,7 @@ from wire import Wire
 def subscribe_recorder(config: SimConfig, wire: Wire, folder: RunFolder) -> None:
     """Under a passive or active threat model, subscribe the run's recorder to `wire`:
     everything the server accepts, and the payloads it sends that strategies name."""
-    if config.threat.model == "none":
+    if not config.threat_spec.records:
         return
     make = Recorder.factory(max_bytes=config.threat.max_bytes, max_samples=config.threat.max_samples or None)
     wire.subscribe(make(config, folder), sent=True)

@@ -40,12 +40,13 @@ def build_round_strategy(
     config: SimConfig, wire: Wire, callbacks: Sequence[RunCallback], folder: RunFolder, partitions: dict[int, int],
     *, resuming: bool = False,
 ) -> RoundStrategy:
-    if config.paradigm == "cl":
+    paradigm = config.paradigm_spec
+    if not paradigm.wire:
         return CLStrategy(config, wire, callbacks)
-    if config.paradigm == "mtv":
+    if not paradigm.trains:
         return MTVStrategy(config, wire, callbacks, partitions)
     # A hijacking server holds the whole public model (FSHA's pilot imitates the client's front).
-    hijacking = config.threat.model == "active-fsha"
+    hijacking = config.threat_spec.hijacks
     party = load_party_model(config, None if hijacking else SERVER)
     strategy_class = {"sl": SLStrategy, "usl": USLStrategy}[config.paradigm]
     if hijacking:
@@ -80,7 +81,7 @@ def _run(grid: Grid, config: SimConfig, folder: RunFolder) -> RunFolder:
         folder.record_nodes(partitions)
         if config.data.canaries:
             folder.record_canaries(RunData.build(config))
-        if config.paradigm == "fl":
+        if config.paradigm_spec.averages_updates:
             party = load_party_model(config)
             initial = owner_state_dict(party.model, party.segments[0])
             if checkpoint is not None:

@@ -238,7 +238,7 @@ def federation_partitions(grid: Grid, config: SimConfig) -> dict[int, int]:
     runtime runs the config, and on resume.
     """
     count, timeout = config.clients.count, config.faults.timeout_s
-    nodes = wait_for_nodes(grid, count, timeout, exact=config.paradigm != "cl")
+    nodes = wait_for_nodes(grid, count, timeout, exact=config.paradigm_spec.wire)
     queries = [
         Message(content=RecordDict(), message_type=protocol.PARTITION_QUERY, dst_node_id=node) for node in nodes
     ]

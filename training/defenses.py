@@ -26,6 +26,6 @@ def describe_defenses(config: SimConfig) -> list[dict[str, Any]]:
 
 def describe_dp(config: SimConfig) -> dict[str, Any] | None:
     """privacy.dp's options when a mode is on, privacy.mtv's under paradigm mtv (None: no differential privacy)."""
-    if config.paradigm == "mtv":
+    if not config.paradigm_spec.trains:
         return {"mechanism": "dp-mtv", **asdict(config.privacy.mtv)}
     return asdict(config.privacy.dp) if config.privacy.dp.active else None

@@ -17,6 +17,7 @@ from config import SimConfig
 from vlm.cuts import LayerSegment, split_layers
 from vlm.loading import COMPUTE_DTYPES, ModelBundle, ModelNotAvailableError, ParameterCounts, load_weights
 from vlm.lora import apply_lora
+from vlm.paradigms import FL, SL, USL, Paradigm
 from vlm.profiles import Profile, get_profile
 from vlm.segments import llava_parts
 from vlm.mini.tokenizer import PAD, SPECIAL_TOKENS
@@ -29,11 +30,6 @@ RANDOM_PAD_ID = SPECIAL_TOKENS.index(PAD)
 RANDOM_IMAGE_ID = SPECIAL_TOKENS.index(IMAGE_PLACEHOLDER)
 RANDOM_VOCAB_SIZE = 64
 CLIENT, SERVER = "client", "server"
-# The segments each party runs, trains and keeps, per paradigm (vlm.cuts owner names).
-PARTY_OWNERS = {
-    CLIENT: {"cl": ("all",), "fl": ("all",), "mtv": ("all",), "sl": ("client",), "usl": ("head", "tail")},
-    SERVER: {"sl": ("server",), "usl": ("body",)},
-}
 
 
 @dataclass
@@ -100,7 +96,7 @@ def load_party_model(config: SimConfig, role: str | None = None) -> PartyModel:
     model.to(device)
     segments = split_layers(get_profile(config.model.profile).num_layers, config.cuts)
     if role is not None:
-        run = party_segments(segments, config.paradigm, role)
+        run = party_segments(segments, config.paradigm_spec, role)
         for module, runs in party_modules(model, run):
             if not runs:
                 module.to("meta")
@@ -112,8 +108,13 @@ def load_party_model(config: SimConfig, role: str | None = None) -> PartyModel:
     return PartyModel(bundle=bundle, model=model, segments=segments, device=device)
 
 
-def party_segments(segments: tuple[LayerSegment, ...], paradigm: str, role: str) -> tuple[LayerSegment, ...]:
-    owners = PARTY_OWNERS[role].get(paradigm, ())
+def party_owners(paradigm: Paradigm, role: str) -> tuple[str, ...]:
+    """The segments (vlm.cuts owners) the party in `role` runs, trains and keeps."""
+    return paradigm.client_owners if role == CLIENT else paradigm.server_owners
+
+
+def party_segments(segments: tuple[LayerSegment, ...], paradigm: Paradigm, role: str) -> tuple[LayerSegment, ...]:
+    owners = party_owners(paradigm, role)
     return tuple(segment for segment in segments if segment.owner in owners)
 
 
@@ -134,12 +135,11 @@ def party_parameter_bytes(profile: Profile, counts: ParameterCounts) -> dict[str
     """The frozen base bytes each party holds at the profile's default cuts, LoRA excluded,
     in 16-bit (fp16/bf16) and fp32; `counts` from vlm.loading.count_parameters (a
     meta-device model counts at any size)."""
-    cuts = {"usl": profile.usl_cuts, "sl": (profile.sl_cut,), "fl": ()}
     held = {}
-    for paradigm, role in (("usl", CLIENT), ("usl", SERVER), ("sl", CLIENT), ("sl", SERVER), ("fl", CLIENT)):
-        segments = split_layers(profile.num_layers, cuts[paradigm])
+    for paradigm, role in ((USL, CLIENT), (USL, SERVER), (SL, CLIENT), (SL, SERVER), (FL, CLIENT)):
+        segments = split_layers(profile.num_layers, paradigm.cut_layers(profile.sl_cut, profile.usl_cuts))
         parameters = sum(counts.for_segment(segment) for segment in party_segments(segments, paradigm, role))
-        held[f"{paradigm} {role}"] = {"16-bit": 2 * parameters, "fp32": 4 * parameters}
+        held[f"{paradigm.name} {role}"] = {"16-bit": 2 * parameters, "fp32": 4 * parameters}
     return held
 
 

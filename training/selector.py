@@ -8,12 +8,13 @@ tokens, after the head's decoder layers, ever cross a cut. The run config's
 """
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from pruning import PolicyContext, VisualTokenSelector, build_policy
+from pruning import PolicyContext, VisualTokenSelector, build_policy, get_policy, policy_options
 from config import SimConfig
 from vqa import VQASample
 
@@ -31,7 +32,7 @@ def build_selector(
     pruning = config.pruning
     context = PolicyContext(
         profile=config.model.profile,
-        ratio=pruning.ratio,
+        options=policy_options(get_policy(pruning.policy), asdict(pruning)),
         alpha=pruning.alpha,
         beta=pruning.beta,
         seed=pruning.seed,

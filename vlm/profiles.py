@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
+from registry import Registry
 from vlm.cuts import default_sl_cut, default_usl_cuts, validate_sl_cut, validate_usl_cuts
 
 VISION_FEATURE_SELECT_STRATEGIES = ("default", "full")
@@ -108,26 +109,12 @@ class Profile:
         return self.text["hidden_size"]
 
 
-_PROFILES: dict[str, Profile] = {}
-
-
-def register_profile(profile: Profile, *, replace: bool = False) -> Profile:
-    """Make a profile available by name; refuses to shadow an existing one unless `replace`."""
-    if profile.name in _PROFILES and not replace:
-        raise ValueError(f"profile {profile.name!r} is already registered; pass replace=True to redefine it")
-    _PROFILES[profile.name] = profile
-    return profile
-
-
-def get_profile(name: str) -> Profile:
-    try:
-        return _PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown model profile {name!r}; known profiles: {sorted(_PROFILES)}") from None
+PROFILES: Registry[Profile] = Registry("model profile")
+register_profile, get_profile = PROFILES.register, PROFILES.get
 
 
 def profile_names() -> list[str]:
-    return sorted(_PROFILES)
+    return sorted(PROFILES.names())
 
 
 def build_llava_config(

@@ -8,6 +8,7 @@ import torch
 
 from pruning import (
     ArtifactError,
+    FixedOptions,
     FrozenEncoders,
     KeepAll,
     PolicyContext,
@@ -45,8 +46,9 @@ def artifacts(tmp_path, profile, encoders, samples):
 
 @pytest.fixture
 def context(profile, tokenizer, samples, artifacts):
-    def make(**overrides) -> PolicyContext:
-        settings = dict(profile=profile.name, tokenizer=tokenizer, samples=samples, artifacts=artifacts)
+    def make(ratio: float = 0.0, **overrides) -> PolicyContext:
+        settings = dict(profile=profile.name, tokenizer=tokenizer, samples=samples, artifacts=artifacts,
+                        options=FixedOptions(ratio) if ratio else None)
         return PolicyContext(**{**settings, **overrides})
 
     return make
@@ -61,7 +63,7 @@ def test_the_registry_holds_the_papers_policies():
     assert policy_names() == ["off", "fixed", "dtp", "oracle"]
     with pytest.raises(ValueError, match="already registered"):
         register_policy(PolicySpec("off", lambda context: KeepAll()))
-    with pytest.raises(ValueError, match="unknown pruning policy 'random'; known policies: off, fixed, dtp, oracle"):
+    with pytest.raises(ValueError, match="no pruning policy named 'random'; registered: off, fixed, dtp, oracle"):
         build_policy("random", PolicyContext(profile="tiny"))
 
 

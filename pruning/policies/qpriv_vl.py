@@ -1,17 +1,10 @@
-"""Pruning policies: a registry of named ways to choose each sample's visual tokens.
+"""The QPriv-VL policies: patches ranked by the fused score c of a QPriv-VL module, each sample's top k kept.
 
-Every policy builds a VisualTokenSelector, which runs on the client between the
-frozen vision tower and the projector and returns a Selection: per sample, the
-ascending indices of the patches to keep, and the sensitivity map it ranked with (one
-pass of the module gives both). The indices never leave the client; only the kept
-tokens' activations do.
-
-- off: keep every patch (ρ = 0), the undefended baseline.
-- fixed: the same ρ for every sample, ranked by QPriv-VL's fused score c. The scorer is
-  the trained module in `pruning.artifacts` when one is given (so fixed ratios and DTP
-  differ only in how many patches they keep), otherwise a seeded untrained module —
-  the kind of fixed random scorer the oracle search uses (with trained towers, its Wq/Wk
-  are their pretrained relevance read-out, as the oracle's are: pruning.towers).
+- fixed: the same ρ for every sample (`pruning.ratio`). The scorer is the trained module in
+  `pruning.artifacts` when one is given (so fixed ratios and DTP differ only in how many
+  patches they keep), otherwise a seeded untrained module — the kind of fixed random
+  scorer the oracle search uses (with trained towers, its Wq/Wk are their pretrained
+  relevance read-out, as the oracle's are: pruning.towers).
 - dtp: the trained module's own ρ̂ and ranking (artefact `dtp.pt`).
 - oracle: each sample's ρ* from the prepared table (artefact `oracle.pt`), ranked by the
   scorer that table was searched with.
@@ -20,10 +13,8 @@ tokens' activations do.
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from pruning.artifacts import (
     DTP_FILE,
@@ -36,92 +27,21 @@ from pruning.artifacts import (
 from pruning.encoders import FrozenEncoders
 from pruning.inputs import PruningInputCache
 from pruning.module import QPrivVL, QPrivVLOutput, build_qpriv_vl, keep_indices
+from pruning.policies.base import PolicyContext, PolicySpec, Selection, VisualTokenSelector, register_policy
 from pruning.profiles import PruningProfile, get_pruning_profile
 from pruning.towers import adopt_readout, load_encoders
+from registry import OptionError
 from vqa import VQASample
 
 
-@dataclass(frozen=True)
-class Selection:
-    """A batch's choice: per-sample ascending keep indices (LongTensor [k_b]) and the
-    sensitivity map [B, N] of a policy that scores patches (None for one that does not)."""
-
-    keep: list[torch.Tensor]
-    sensitivity: torch.Tensor | None = None
-
-
-class VisualTokenSelector(Protocol):
-    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
-        """features [B, N, Dv] of `samples` -> what to keep of each."""
-
-
-@dataclass(frozen=True)
-class PolicyContext:
-    """What a policy may need to build its selector (plain values: pruning does not read run configs).
-
-    `tokenizer` is the decoder's (random text towers read its vocabulary); `samples` are
-    all the samples the selector will see, whose frozen inputs are encoded up front and
-    kept at `cache_path` when given; `random_encoders` asks for seeded random encoders
-    even where the profile names real checkpoints.
-    """
-
-    profile: str
+@dataclass
+class FixedOptions:
+    # The share of each sample's patches pruned (the paper's grid: 0.3, 0.5, 0.7, 0.9).
     ratio: float = 0.0
-    alpha: float = 1.0
-    beta: float = 1.0
-    seed: int = 0
-    artifacts: Path | None = None
-    random_encoders: bool = False
-    text_source: str | None = None
-    dino_source: str | None = None
-    tokenizer: PreTrainedTokenizerBase | None = None
-    samples: Sequence[VQASample] = ()
-    cache_path: Path | None = None
-    device: str | torch.device = "cpu"
 
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """A registered policy: how to build it, whether it reads the fixed ratio, and which
-    artefact file (in `pruning.artifacts`) it requires, if any."""
-
-    name: str
-    build: Callable[[PolicyContext], VisualTokenSelector]
-    uses_ratio: bool = False
-    required_artifact: str | None = None
-
-
-_POLICIES: dict[str, PolicySpec] = {}
-
-
-def register_policy(spec: PolicySpec, *, replace: bool = False) -> PolicySpec:
-    if spec.name in _POLICIES and not replace:
-        raise ValueError(f"pruning policy {spec.name!r} is already registered; pass replace=True to redefine it")
-    _POLICIES[spec.name] = spec
-    return spec
-
-
-def policy_names() -> list[str]:
-    return list(_POLICIES)
-
-
-def get_policy(name: str) -> PolicySpec:
-    try:
-        return _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown pruning policy {name!r}; known policies: {', '.join(_POLICIES)}") from None
-
-
-def build_policy(name: str, context: PolicyContext) -> VisualTokenSelector:
-    return get_policy(name).build(context)
-
-
-class KeepAll:
-    """Policy "off": every patch, in order."""
-
-    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
-        keep = torch.arange(features.shape[1], device=features.device)
-        return Selection([keep for _ in range(features.shape[0])])
+    def validate(self) -> None:
+        if not 0 <= self.ratio < 1:
+            raise OptionError("ratio", self.ratio, "a share in [0, 1)")
 
 
 RatioSource = Callable[[QPrivVLOutput, Sequence[VQASample]], Sequence[float] | torch.Tensor]
@@ -212,10 +132,6 @@ def _check_artifact(context: PolicyContext, policy: str, file: str) -> Path:
     return context.artifacts
 
 
-def _build_off(context: PolicyContext) -> VisualTokenSelector:
-    return KeepAll()
-
-
 def _build_fixed(context: PolicyContext) -> VisualTokenSelector:
     profile = get_pruning_profile(context.profile)
     folder = None if context.artifacts is None else _check_artifact(context, "fixed", DTP_FILE)
@@ -226,7 +142,7 @@ def _build_fixed(context: PolicyContext) -> VisualTokenSelector:
         adopt_readout(scorer, encoders)
     else:
         scorer = load_dtp(folder, profile, encoders, alpha=context.alpha, beta=context.beta)
-    return ScoredSelector(scorer.to(context.device), inputs, FixedRatio(context.ratio))
+    return ScoredSelector(scorer.to(context.device), inputs, FixedRatio(context.options.ratio))
 
 
 def _build_dtp(context: PolicyContext) -> VisualTokenSelector:
@@ -245,7 +161,6 @@ def _build_oracle(context: PolicyContext) -> VisualTokenSelector:
     return ScoredSelector(scorer.to(context.device), inputs, OracleRatio(ratios, folder / ORACLE_FILE))
 
 
-register_policy(PolicySpec("off", _build_off))
-register_policy(PolicySpec("fixed", _build_fixed, uses_ratio=True))
+register_policy(PolicySpec("fixed", _build_fixed, FixedOptions, budget="ratio"))
 register_policy(PolicySpec("dtp", _build_dtp, required_artifact=DTP_FILE))
 register_policy(PolicySpec("oracle", _build_oracle, required_artifact=ORACLE_FILE))

@@ -1,0 +1,107 @@
+"""The one interface every pruning policy implements, and the registry that names them.
+
+Every policy builds a VisualTokenSelector, which runs on the client between the frozen
+vision tower and the projector and returns a Selection: per sample, the ascending indices
+of the patches to keep, and the sensitivity map it ranked with (one pass of a scorer gives
+both). The indices never leave the client; only the kept tokens' activations do.
+
+A policy is a `PolicySpec` registered by name. Its `Options` dataclass holds the settings
+that are its own, each the run-config key `pruning.<option>` (its defaults, a comment on
+each, `validate()` raising OptionError); `budget` names the option that sets how many
+patches it keeps, the one a sweep varies. The settings every QPriv-VL scorer shares (the
+fusion weights, the artefacts folder, the encoders) reach it through `PolicyContext`.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from registry import Registry, check_names_an_option
+from vqa import VQASample
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A batch's choice: per-sample ascending keep indices (LongTensor [k_b]) and the
+    sensitivity map [B, N] of a policy that scores patches (None for one that does not)."""
+
+    keep: list[torch.Tensor]
+    sensitivity: torch.Tensor | None = None
+
+
+class VisualTokenSelector(Protocol):
+    def __call__(self, features: torch.Tensor, samples: Sequence[VQASample]) -> Selection:
+        """features [B, N, Dv] of `samples` -> what to keep of each."""
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may need to build its selector (plain values: pruning does not read run configs).
+
+    `options` are the policy's own (its `Options`; None: the defaults); `tokenizer` is the
+    decoder's (random text towers read its vocabulary); `samples` are all the samples the
+    selector will see, whose frozen inputs are encoded up front and kept at `cache_path`
+    when given; `random_encoders` asks for seeded random encoders even where the profile
+    names real checkpoints.
+    """
+
+    profile: str
+    options: Any = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    seed: int = 0
+    artifacts: Path | None = None
+    random_encoders: bool = False
+    text_source: str | None = None
+    dino_source: str | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    samples: Sequence[VQASample] = ()
+    cache_path: Path | None = None
+    device: str | torch.device = "cpu"
+
+
+@dataclass
+class NoOptions:
+    """A policy with no settings of its own."""
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy: how to build it, its own options, the option that sets how many
+    patches it keeps (None: it decides per sample, or keeps all), and which artefact file (in
+    `pruning.artifacts`) it requires, if any."""
+
+    name: str
+    build: Callable[[PolicyContext], VisualTokenSelector]
+    Options: type = NoOptions
+    budget: str | None = None
+    required_artifact: str | None = None
+
+
+POLICIES: Registry[PolicySpec] = Registry(
+    "pruning policy", check=lambda policy: check_names_an_option("pruning policy", policy, "budget"))
+register_policy, get_policy, policy_names = POLICIES.register, POLICIES.get, POLICIES.names
+
+
+def policy_options(policy: PolicySpec, settings: Mapping[str, Any]) -> Any:
+    """The policy's Options from the shared pruning settings (`pruning.<key>` without the prefix):
+    those it declares; the others are not its own."""
+    declared = {f.name for f in fields(policy.Options)}
+    return replace(policy.Options(), **{key: value for key, value in settings.items() if key in declared})
+
+
+def build_policy(name: str, context: PolicyContext) -> VisualTokenSelector:
+    """The selector of policy `name`; its options checked first."""
+    policy = get_policy(name)
+    options = policy.Options() if context.options is None else context.options
+    if not isinstance(options, policy.Options):
+        raise TypeError(f"pruning policy {name!r} takes {policy.Options.__name__}, not {type(options).__name__}")
+    options.validate()
+    return policy.build(replace(context, options=options))
