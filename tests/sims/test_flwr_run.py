@@ -1,9 +1,11 @@
 """End-to-end: the sims through the real `flwr run` (simulation runtime, Ray).
 
-Slow (a SuperLink and Ray start each time), so only a few: a run that must finish, two
-runs of one config that must agree, and one that must fail fast — judged by the run folder's status, since
-`flwr run --stream` exits 0 either way. Each test session gets its own FLWR_HOME and
-ports, and stops the SuperLink it started.
+Slow: each run starts Ray (or a Ray job) and client actors that import torch, about 40 s on
+2 cores whatever the run's size, so there are four: a sweep's point, a SecAgg+ run with central
+DP, and two runs of one SL config (one on the simulation's own Ray, one on an existing cluster)
+whose outcomes must agree, which three tests read. Each is judged by the run folder's status,
+since `flwr run --stream` exits 0 either way. The module has its own FLWR_HOME and ports, and
+stops the SuperLinks and Ray clusters it started.
 """
 
 import json
@@ -13,13 +15,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from hashlib import sha256
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from attacks import Recording
-from sims.launch import LocalSuperLink, installed_tools_environment, launch, stop_local_superlink
+from sims.launch import (LocalSuperLink, installed_tools_environment, launch, simulation_environment,
+                         stop_local_superlink)
+from sims.loopback import stop_processes_naming
 from sims.sweep import main as sweep_main
 
 pytestmark = pytest.mark.flwr_run
@@ -88,23 +96,36 @@ options = {{ iterations = 100, max_transfers = 2 }}
     assert result["metrics"]["token_recall"] > 0.9
 
 
-def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(flwr_home, tmp_path, assert_same_outcome):
-    """Flower gives the supernodes new random ids each run; clients take turns by partition, and
-    their random draws (a defense's noise, DP-SGD's batches and noise) go by partition, round and
-    step, so an SL run with them repeats too."""
+@pytest.fixture(scope="module")
+def sl_runs(flwr_home, tmp_path_factory):
+    """Two `flwr run`s of one SL config, which three tests read: the first on the Ray the
+    simulation starts (its TLS settings read while it runs), the second with RAY_ADDRESS naming an
+    existing cluster. A run costs about 40 s on 2 cores whatever its size (Ray or a Ray job, and
+    actors that import torch), so the tests share these two."""
+    root = tmp_path_factory.mktemp("sl-runs")
     overrides = {
         "privacy.defenses": "noise", "privacy.noise.variance": 1e-4,
         "privacy.dp.mode": "sgd", "privacy.dp.noise_multiplier": 1.0, "privacy.dp.delta": 1e-3,
         "model.profile": "tiny", "data.train_limit": 24, "data.test_limit": 4, "train.rounds": 1,
         "train.steps_per_round": 2, "train.batch_size": 4, "eval.batch_size": 4, "eval.every": 1,
-        "output.root": str(tmp_path),
+        "output.root": str(root),
     }
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(launch, SIMS / "sl_easyvqa", {**overrides, "output.name": "own-ray"},
+                          "num-supernodes=2 client-resources-num-cpus=1", 240)
+        own_ray_tls = tls_of_the_runs_ray(flwr_home / "ray-tls", run)
+        own = run.result()
+    return SimpleNamespace(own=own, own_ray_tls=own_ray_tls, cluster=run_on_existing_cluster(
+        SIMS / "sl_easyvqa", {**overrides, "output.name": "on-cluster"}, root))
+
+
+def test_two_flwr_runs_of_one_config_give_the_same_weights_and_metrics(sl_runs, assert_same_outcome):
+    """Flower gives the supernodes new random ids each run; clients take turns by partition, and
+    their random draws (a defense's noise, DP-SGD's batches and noise) go by partition, round and
+    step, so an SL run with them repeats too: here once on the simulation's own Ray and once on
+    an existing cluster."""
     folders = []
-    for name in ("first", "second"):
-        status, folder, process = launch(
-            SIMS / "sl_easyvqa", {**overrides, "output.name": name}, "num-supernodes=2 client-resources-num-cpus=1",
-            timeout_s=240,
-        )
+    for status, folder, process in (sl_runs.own, sl_runs.cluster.launched):
         assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
         folders.append(folder)
     first_nodes, second_nodes = (json.loads((f / "nodes.json").read_text()) for f in folders)
@@ -130,26 +151,40 @@ def test_fl_runs_secagg_with_central_dp_under_flwr_run(flwr_home, tmp_path):
     assert status["privacy_spent"]["dp_epsilon"] == pytest.approx(8.0, abs=0.01) == records[-1]["dp_epsilon"]
 
 
-
-
-def test_the_simulations_ray_refuses_anyone_without_its_certificate(flwr_home, tmp_path):
-    """Ray listens on every interface; the launcher's mutual TLS keeps strangers off it."""
-    overrides = {"model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "train.rounds": 6,
-                 "train.steps_per_round": 5, "train.batch_size": 4, "eval.every": 0,
-                 "output.root": str(tmp_path), "output.name": "ray-tls"}
-    with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(launch, SIMS / "usl_easyvqa", overrides, "num-supernodes=2", 600)
-        deadline = time.monotonic() + 300
-        while (gcs := ray_gcs_server(flwr_home / "ray-tls")) is None:
-            assert time.monotonic() < deadline and not run.done(), "the run started no Ray with the launcher's TLS"
-            time.sleep(0.2)
-        pid, address = gcs
-        tls = ray_tls_variables(pid)
-        assert join_ray(address, tls).returncode == 0  # the certificate's holder joins
+def test_the_simulations_ray_refuses_anyone_without_its_certificate(sl_runs, flwr_home):
+    """Ray listens on every interface; the launcher's mutual TLS keeps strangers off it. The SL
+    run's own Ray started with the launcher's TLS settings, which Ray takes from these variables
+    (and the files they name) alone; a Ray started here with the same settings, which lives until
+    the probes end as a short run's Ray would not, admits their holder and refuses a stranger."""
+    tls = {key: value for key, value in simulation_environment().items()
+           if key.startswith("RAY_TLS_") or key == "RAY_USE_TLS"}
+    assert tls["RAY_USE_TLS"] == "1" and sl_runs.own_ray_tls == tls_settings(tls)
+    with ray_cluster(RAY_PORT + 1, tls) as ray_dir:
+        pid, address = ray_gcs_server(flwr_home / "ray-tls", started_in=ray_dir)
+        holder = join_ray(address, tls)
+        assert holder.returncode == 0, holder.stdout[-2000:]  # the certificate's holder joins
         stranger = join_ray(address, {})
         assert stranger.returncode != 0 and Path(f"/proc/{pid}").exists(), stranger.stdout[-2000:]
-        status, _, process = run.result()
-    assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+
+
+def tls_of_the_runs_ray(tls_folder: Path, run) -> dict[str, str] | None:
+    """tls_settings of the Ray GCS server that `run` starts with the certificates in
+    `tls_folder`, read once it appears (None if the run ends first)."""
+    while not run.done():
+        gcs = ray_gcs_server(tls_folder)
+        if gcs is not None:
+            try:
+                return tls_settings(ray_tls_variables(gcs[0]))
+            except OSError:  # it ended meanwhile
+                continue
+        time.sleep(0.2)
+    return None
+
+
+def tls_settings(variables: dict[str, str]) -> dict[str, str]:
+    """Ray's TLS variables, with the digest of each file they name."""
+    return {**variables, **{f"{key} sha256": sha256(Path(value).read_bytes()).hexdigest()
+                            for key, value in variables.items() if key.startswith("RAY_TLS_")}}
 
 
 def ray_tls_variables(pid: int) -> dict[str, str]:
@@ -157,8 +192,9 @@ def ray_tls_variables(pid: int) -> dict[str, str]:
     return {key: value for key, value in pairs if key.startswith("RAY_TLS_") or key == "RAY_USE_TLS"}
 
 
-def ray_gcs_server(tls_folder: Path) -> tuple[int, str] | None:
-    """(pid, node-ip:port) of a Ray GCS server started with the certificates in `tls_folder`."""
+def ray_gcs_server(tls_folder: Path, started_in: Path | None = None) -> tuple[int, str] | None:
+    """(pid, node-ip:port) of a Ray GCS server started with the certificates in `tls_folder`
+    (and, if given, with its session under `started_in`)."""
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             if f"RAY_TLS_CA_CERT={tls_folder}" not in environ.read_bytes().decode(errors="replace"):
@@ -166,7 +202,7 @@ def ray_gcs_server(tls_folder: Path) -> tuple[int, str] | None:
             args = (environ.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # the process ended meanwhile, or is not ours to read
             continue
-        if not args[0].endswith("gcs_server"):
+        if not args[0].endswith("gcs_server") or (started_in is not None and str(started_in) not in " ".join(args)):
             continue
         ip = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--node-ip-address="))
         ports = listening_ports(int(environ.parent.name))
@@ -202,32 +238,45 @@ def join_ray(address: str, tls: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
 
 
-def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(tmp_path, monkeypatch, stop_processes_naming):
+def test_the_sim_runs_its_clients_on_an_existing_ray_cluster(sl_runs):
     """RAY_ADDRESS in the environment that starts the SuperLink sends the clients to that cluster."""
+    status, _, process = sl_runs.cluster.launched
+    assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
+    # Ray writes a worker's logs into the cluster's own session: the client actors ran there.
+    assert any("ClientAppActor" in log for log in sl_runs.cluster.worker_logs)
+
+
+def run_on_existing_cluster(app: Path, overrides: dict, root: Path) -> SimpleNamespace:
+    """`app` launched with RAY_ADDRESS naming a Ray cluster started for it (and a SuperLink of
+    its own, which must start with that variable): what launch returned, and the cluster's
+    worker logs, read before the cluster is stopped."""
+    home = root / "flwr-home-cluster"
+    with ray_cluster(RAY_PORT) as ray_dir, pytest.MonkeyPatch.context() as environment:
+        environment.setenv("RAY_ADDRESS", f"127.0.0.1:{RAY_PORT}")
+        environment.setenv("FLWR_HOME", str(home))
+        environment.setenv("FLWR_LOCAL_CONTROL_API_PORT", "29693")
+        environment.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "29694")
+        try:
+            launched = launch(app, overrides, "num-supernodes=2 client-resources-num-cpus=1", timeout_s=240)
+        finally:
+            stop_local_superlink(home)
+        logs = [path.read_text(errors="replace") for path in ray_dir.glob("session_latest/logs/worker-*.out")]
+    return SimpleNamespace(launched=launched, worker_logs=logs)
+
+
+@contextmanager
+def ray_cluster(port: int, environment: dict[str, str] | None = None) -> Iterator[Path]:
+    """A Ray head on `port` (`ray start`, with `environment` over the installed tools'), stopped
+    on exit; yields its temp dir."""
     # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed.
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    home = tmp_path / "flwr-home"
-    subprocess.run(
-        ["ray", "start", "--head", "--port", str(RAY_PORT), "--num-cpus", "2", "--temp-dir", str(ray_dir),
-         "--include-dashboard=false", "--disable-usage-stats"],
-        check=True, capture_output=True, timeout=120, env=installed_tools_environment(),
-    )
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{RAY_PORT}")
-    monkeypatch.setenv("FLWR_HOME", str(home))
-    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", "29693")
-    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "29694")
     try:
-        overrides = {
-            "model.profile": "tiny", "data.train_limit": 16, "data.test_limit": 4, "train.rounds": 1,
-            "train.steps_per_round": 1, "train.batch_size": 4, "eval.every": 0,
-            "output.root": str(tmp_path), "output.name": "on-cluster",
-        }
-        status, _, process = launch(SIMS / "usl_easyvqa", overrides, "num-supernodes=2 client-resources-num-cpus=1", timeout_s=240)
-        assert status["state"] == "finished", status.get("error", process.stdout[-2000:])
-        # Ray writes a worker's logs into the cluster's own session: the client actors ran there.
-        workers = list(ray_dir.glob("session_latest/logs/worker-*.out"))
-        assert any("ClientAppActor" in path.read_text(errors="replace") for path in workers)
+        subprocess.run(
+            ["ray", "start", "--head", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(ray_dir),
+             "--include-dashboard=false", "--disable-usage-stats"],
+            check=True, capture_output=True, timeout=120, env={**installed_tools_environment(), **(environment or {})},
+        )
+        yield ray_dir
     finally:
-        stop_local_superlink(home)
-        stop_processes_naming(str(ray_dir), f"{RAY_PORT} --host")
+        stop_processes_naming(str(ray_dir), f"{port} --host")
         shutil.rmtree(ray_dir, ignore_errors=True)

@@ -3,24 +3,38 @@ while its server works, an ended run's is not, a live status whose heartbeat sto
 dead server), and each run's own client state under a node's state-dir."""
 
 import json
-import time
+import threading
 
 from clients.runtime import client_state_dir
 from config import load_config
 from strategies.callbacks import STALE_AFTER_S, Heartbeat, RunFolder, is_stale
 
 
-def test_a_live_run_beats_and_an_ended_one_keeps_its_end(run_config, tmp_path):
+def test_a_live_run_beats_and_an_ended_one_keeps_its_end(run_config, tmp_path, monkeypatch):
     folder = RunFolder(load_config(run_config()), tmp_path / "run")
     folder.write_status("running", round=1)
     first = json.loads((folder.path / "status.json").read_text())
+    beaten_times, beat = threading.Condition(), folder.beat
+    count = [0]
+
+    def counted_beat():
+        beat()
+        with beaten_times:
+            count[0] += 1
+            beaten_times.notify_all()
+
+    def beats(at_least: int) -> bool:
+        with beaten_times:
+            return beaten_times.wait_for(lambda: count[0] >= at_least, timeout=30)
+
+    monkeypatch.setattr(folder, "beat", counted_beat)
     with Heartbeat(folder, every=0.02):
-        time.sleep(0.2)
+        assert beats(1)
         beaten = json.loads((folder.path / "status.json").read_text())
         assert beaten["heartbeat"] > first["heartbeat"] and beaten["round"] == 1 and beaten["time"] == first["time"]
         folder.write_status("finished", rounds=1)
         ended = json.loads((folder.path / "status.json").read_text())
-        time.sleep(0.1)
+        assert beats(count[0] + 2)  # at least one whole beat after the end
     assert json.loads((folder.path / "status.json").read_text()) == ended
 
 
