@@ -89,7 +89,7 @@ def test_a_relayed_message_is_answered_as_in_place_by_one_warm_worker(run_config
 
 
 def test_the_worker_leaves_when_idle_or_when_its_supernode_is_gone(run_config, address):
-    # Slow by nature (about 30 s on 2 cores): three workers start, each importing torch and building its client.
+    # Slow by nature (about 35 s on 2 cores): three workers start, each importing torch and building its client.
     supernode = subprocess.Popen(["sleep", "600"])
     gone, idle = address(supernode.pid), address()
     relay(message(protocol.PARTITION_QUERY), context(run_config, "gone"), gone)

@@ -155,7 +155,8 @@ def test_the_simulations_ray_refuses_anyone_without_its_certificate(sl_runs, flw
     """Ray listens on every interface; the launcher's mutual TLS keeps strangers off it. The SL
     run's own Ray started with the launcher's TLS settings, which Ray takes from these variables
     (and the files they name) alone; a Ray started here with the same settings, which lives until
-    the probes end as a short run's Ray would not, admits their holder and refuses a stranger."""
+    the probes end as a short run's Ray would not, admits their holder and refuses a stranger.
+    Slow (about 30 s): Ray's start, and the stranger's 2 x 10 s of connection timeouts."""
     tls = {key: value for key, value in simulation_environment().items()
            if key.startswith("RAY_TLS_") or key == "RAY_USE_TLS"}
     assert tls["RAY_USE_TLS"] == "1" and sl_runs.own_ray_tls == tls_settings(tls)

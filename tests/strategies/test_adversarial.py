@@ -184,8 +184,7 @@ def test_a_hijacked_client_moves_its_features_to_the_pilots_and_the_replay_decod
     run_config, fake_grid, monkeypatch
 ):
     # One client, 100 steps at lr 1e-3 (a faster client overshoots the moving pilot), in 5 rounds
-    # so the replay decodes only the last round's 20 steps. Slow by nature (over 30 s on 2 cores):
-    # fewer steps leave the features short of the pilot's.
+    # so the replay decodes only the last round's 20 steps.
     raw = run_config(**{
         "threat.model": "active-fsha", "clients.count": 1, "data.train_limit": 32, "train.rounds": 5,
         "train.steps_per_round": 20, "train.batch_size": 16, "train.lr": 1e-3, "threat.aux_limit": 128,
