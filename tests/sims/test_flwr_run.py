@@ -268,7 +268,9 @@ def run_on_existing_cluster(app: Path, overrides: dict, root: Path) -> SimpleNam
 @contextmanager
 def ray_cluster(port: int, environment: dict[str, str] | None = None) -> Iterator[Path]:
     """A Ray head on `port` (`ray start`, with `environment` over the installed tools'), stopped
-    on exit; yields its temp dir."""
+    on exit; yields its temp dir. Started in a session of its own, as a cluster someone else runs
+    would be: Ray starts its workers at nice 15, which in this session's scheduling group would
+    leave them next to nothing beside the busy test workers on a loaded machine."""
     # Ray's socket paths must stay under 107 bytes, which pytest's tmp_path can exceed.
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     try:
@@ -276,6 +278,7 @@ def ray_cluster(port: int, environment: dict[str, str] | None = None) -> Iterato
             ["ray", "start", "--head", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(ray_dir),
              "--include-dashboard=false", "--disable-usage-stats"],
             check=True, capture_output=True, timeout=120, env={**installed_tools_environment(), **(environment or {})},
+            start_new_session=True,
         )
         yield ray_dir
     finally:
