@@ -78,9 +78,9 @@ def _loss(rt: ClientRuntime, batch: list) -> tuple[torch.Tensor, PruningRecord]:
 
 @torch.no_grad()
 def evaluate_local(rt: ClientRuntime) -> dict:
-    """Greedy answers on the client's test share; the summed score and the count."""
+    """Greedy answers on the client's test share, scored (ClientRuntime.test_scores)."""
     config, model = rt.config, rt.model
-    correct = 0.0
+    scores = []
     for start in range(0, len(rt.test), config.eval.batch_size):
         batch = rt.test[start : start + config.eval.batch_size]
         visual, _ = projected_visual_tokens(model, rt.features, rt.selector, batch, rt.party.device, rt.marks)
@@ -89,5 +89,5 @@ def evaluate_local(rt: ClientRuntime) -> dict:
             max_new_tokens=config.eval.max_new_tokens, eos_token_id=rt.tokenizer.eos_token_id,
         )
         for tokens, item in zip(generated, batch, strict=True):
-            correct += score_sample(rt.tokenizer.decode(tokens, skip_special_tokens=True), item.sample)
-    return {"correct": correct, "count": float(len(rt.test))}
+            scores.append(score_sample(rt.tokenizer.decode(tokens, skip_special_tokens=True), item.sample))
+    return rt.test_scores(0, scores)

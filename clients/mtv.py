@@ -24,6 +24,7 @@ from privacy.dp_mtv import (
     noise_share,
     private_selection_scores,
 )
+from training import protocol
 from vlm.answering import answer_questions
 from vlm.task_vectors import HeadLayout, chunk_activations, head_layout, replaced_heads
 from vqa import VQASample, score_sample
@@ -68,17 +69,19 @@ def selection_scores(rt: ClientRuntime, values: torch.Tensor) -> torch.Tensor:
     return torch.tensor(scores, dtype=torch.int64)
 
 
-def evaluate(rt: ClientRuntime, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """The test share's summed scores zero-shot and with the task vector, and its count."""
+def evaluate(rt: ClientRuntime, values: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The test share scored with the task vector (ClientRuntime.test_scores) and zero-shot (summed
+    and per question: the vector's gain, question by question)."""
     samples = [item.sample for item in rt.test]
     config = rt.config.eval
 
-    def correct(intervention=None) -> float:
+    def scores(intervention=None) -> list[float]:
         answers = answer_questions(rt.model, rt.tokenizer, rt.features, samples, instruction=rt.party.instruction,
                                    intervention=intervention, batch_size=config.batch_size,
                                    max_new_tokens=config.max_new_tokens, progress=False)
-        return float(sum(score_sample(answer, sample) for answer, sample in zip(answers, samples, strict=True)))
+        return [float(score_sample(answer, sample)) for answer, sample in zip(answers, samples, strict=True)]
 
     vector = layout(rt)
-    with_vector = correct(lambda: replaced_heads(rt.model, vector, values, mask.bool()))
-    return {"correct": with_vector, "zero_shot_correct": correct(), "count": float(len(samples))}
+    metrics = rt.test_scores(0, scores(lambda: replaced_heads(rt.model, vector, values, mask.bool())))
+    zero_shot = scores()
+    return {**metrics, "zero_shot_correct": sum(zero_shot), protocol.ZERO_SHOT_SCORES: zero_shot}

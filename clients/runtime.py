@@ -68,6 +68,8 @@ class ClientRuntime:
     tokenizer: Any
     train: list[EncodedSample]
     test: list[EncodedSample]
+    # Each `test` row's position in the run's test split (training.data.RunData.test_all).
+    test_positions: tuple[int, ...]
     features: VisionFeatureCache
     selector: VisualTokenSelector
     # The run's defenses at the cut (privacy.*), applied before anything reaches the wire.
@@ -96,6 +98,14 @@ class ClientRuntime:
         """DP-SGD's noise for this client's current step on `segment`, seeded like the defenses'
         draws (privacy.seed, client, round, step), so a resumed step adds the same noise."""
         return self.defenses.seed_for(self.partition_id, round_, self.step).generator(f"dp_sgd:{segment}")
+
+    def test_scores(self, first: int, scores: Iterable[float]) -> dict[str, Any]:
+        """An evaluation score's metrics for the test rows from `first` on, scored `scores`: their sum
+        and count, and each one's position in the run's test split and score (training.protocol.QUESTIONS)."""
+        scores = [float(score) for score in scores]
+        return {"correct": sum(scores), "count": float(len(scores)),
+                protocol.QUESTIONS: list(self.test_positions[first : first + len(scores)]),
+                protocol.QUESTION_SCORES: scores}
 
     @property
     def model(self):
@@ -294,6 +304,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         tokenizer=tokenizer,
         train=train,
         test=test,
+        test_positions=tuple(int(position) for position in data.test_indices[partition_id]),
         features=features,
         marks=data.mark_patches(party.bundle.profile),
         selector=build_selector(

@@ -240,7 +240,8 @@ class SplitClient:
         longest = max(len(tokens) for tokens in scratch["generated"])
         if all(scratch["finished"]) or longest >= self.rt.config.eval.max_new_tokens:
             predictions = [self.rt.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in scratch["generated"]]
-            correct = sum(score_sample(p, item.sample) for p, item in zip(predictions, batch, strict=True))
-            return {"tensors": {}, "metrics": {"correct": float(correct), "count": float(len(batch))}}
+            scores = [score_sample(p, item.sample) for p, item in zip(predictions, batch, strict=True)]
+            first = scratch["batch"] * self.rt.config.eval.batch_size  # eval_batch's first row
+            return {"tensors": {}, "metrics": self.rt.test_scores(first, scores)}
         self._write_scratch(scratch)
         return self._eval_forward(batch, scratch)

@@ -17,8 +17,8 @@ from flwr.serverapp import Grid, ServerApp
 from config import SimConfig, load_config
 from strategies.adversarial import FSHAHijack, subscribe_recorder
 from strategies.base import RoundStrategy, federation_partitions
-from strategies.callbacks import (Checkpointer, Heartbeat, MetricsLog, RunCallback, RunFolder, StatusReporter,
-                                  failure_details, participation)
+from strategies.callbacks import (Checkpointer, Heartbeat, MetricsLog, OutcomesLog, RunCallback, RunFolder,
+                                  StatusReporter, failure_details, participation)
 from strategies.cl import CLStrategy
 from strategies.fl import WireFedAvg, WireGrid
 from strategies.mtv import MTVStrategy
@@ -72,10 +72,10 @@ def _run(grid: Grid, config: SimConfig, folder: RunFolder) -> RunFolder:
         subscribe_recorder(config, wire, folder)
         first_round = folder.committed_round() + 1
         num_rounds = config.train.rounds
-        # The log first: it drops lines past the checkpoint, and the reporter reads the last one left.
+        # The logs first: they drop lines past the checkpoint, and the reporter reads metrics.jsonl's last one left.
         metrics_log = MetricsLog(folder)
         reporter = StatusReporter(folder, num_rounds)
-        callbacks = [metrics_log, Checkpointer(folder), reporter]
+        callbacks = [metrics_log, OutcomesLog(folder), Checkpointer(folder), reporter]
         checkpoint = folder.load_checkpoint()
         partitions = federation_partitions(grid, config)
         folder.record_nodes(partitions)

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 
 from pruning import PruningRecord
 from config import SimConfig
-from strategies.callbacks import RunCallback
+from strategies.callbacks import OUTCOMES, RunCallback
 from training import protocol
 from wire import Wire, WireError
 
@@ -137,6 +137,40 @@ class RoundStrategy(ABC):
 
 
 FAULTS = (ClientFault, WireError)
+
+
+class Outcomes:
+    """One evaluation's per-question outcomes, gathered from the clients' evaluation scores
+    (training.protocol.QUESTIONS) for the run folder's outcomes.jsonl (callbacks.OutcomesLog)."""
+
+    def __init__(self, zero_shot: bool = False) -> None:
+        self.positions: list[int] = []
+        self.scores: list[float] = []
+        self.zero_shot: list[float] | None = [] if zero_shot else None
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        """One evaluation score's questions; a score that does not list one per row it counts is the
+        client's fault, and adds nothing (add it before its sum, so both leave it out)."""
+        names = [protocol.QUESTIONS, protocol.QUESTION_SCORES]
+        if self.zero_shot is not None:
+            names.append(protocol.ZERO_SHOT_SCORES)
+        lists = [list(metrics.get(name, [])) for name in names]
+        count = metrics.get("count")
+        if any(len(values) != count for values in lists):
+            raise ClientFault(f"its evaluation score counts {count} rows but lists "
+                              + ", ".join(f"{len(values)} {name}" for name, values in zip(names, lists, strict=True)))
+        self.positions += lists[0]
+        self.scores += lists[1]
+        if self.zero_shot is not None:
+            self.zero_shot += lists[2]
+
+    def record(self) -> dict[str, Any]:
+        """The round record's outcomes, in the test split's order."""
+        order = sorted(range(len(self.positions)), key=self.positions.__getitem__)
+        outcomes = {"positions": [self.positions[i] for i in order], "scores": [self.scores[i] for i in order]}
+        if self.zero_shot is not None:
+            outcomes["zero_shot"] = [self.zero_shot[i] for i in order]
+        return {OUTCOMES: outcomes}
 
 
 def pruning_record(content: RecordDict) -> PruningRecord:

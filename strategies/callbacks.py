@@ -1,8 +1,9 @@
 """Cross-cutting concerns of a run as callbacks: the run folder, metrics, checkpoints, status.
 
 A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one line
-per round), `checkpoints/` (the server's state after each round), `committed.json`
-(the last round whose checkpoint is complete), `canaries.json` (data.canaries: the membership
+per round), `outcomes.jsonl` (one line per evaluated round: each question's score),
+`checkpoints/` (the server's state after each round), `committed.json` (the last round
+whose checkpoint is complete), `canaries.json` (data.canaries: the membership
 audit's canaries), `nodes.json` (node id -> partition id
 of every node that served the run: Flower's node ids change with each start, and a
 recording names nodes) and `status.json` (running, finished or failed with the reason;
@@ -24,13 +25,16 @@ import torch
 from config import RESUMABLE_KEYS, SimConfig
 from training.data import RunData
 from training.defenses import describe_defenses, describe_dp
-from training.protocol import NODE_PARTITIONS_FILE
+from training.protocol import NODE_PARTITIONS_FILE, OUTCOMES_FILE
 from vlm.loading import describe_weights
 
 
 log = logging.getLogger(__name__)
 
 CANARIES_FILE = "canaries.json"
+# A round record's per-question outcomes (strategies.base.Outcomes): OutcomesLog writes them to
+# outcomes.jsonl, and metrics.jsonl leaves them out.
+OUTCOMES = "outcomes"
 # States of a run whose server is at work; its status.json's heartbeat is renewed every
 # HEARTBEAT_S, and one older than STALE_AFTER_S means the server died without saying so.
 LIVE_STATES = ("starting", "running")
@@ -184,32 +188,77 @@ def written_differences(flat: Mapping[str, Any], path: Path) -> list[str]:
                   if key not in RESUMABLE_KEYS and written.get(key, defaults.get(key)) != value)
 
 
+def keep_committed_lines(path: Path, committed: int) -> None:
+    """A round log (JSON lines with a "round") without the lines past round `committed`: a resumed
+    run writes those rounds again."""
+    if not path.exists():
+        return
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            round_ = json.loads(line)["round"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            # A line is written before its round's checkpoint commits: a torn one is of a
+            # round that never committed, and goes like every line past the checkpoint.
+            log.warning("%s line %d is torn (a kill mid-write); dropped with the uncommitted rounds", path, number)
+            continue
+        if round_ <= committed:
+            kept.append(line)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
+
+
 class MetricsLog:
-    """metrics.jsonl, one line per committed round; a resumed run drops lines past the checkpoint."""
+    """metrics.jsonl, one line per committed round (its outcomes aside: OutcomesLog); a resumed run
+    drops lines past the checkpoint."""
 
     def __init__(self, folder: RunFolder) -> None:
         self.path = folder.path / "metrics.jsonl"
-        committed = folder.committed_round()
-        if self.path.exists():
-            kept = []
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    round_ = json.loads(line)["round"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    # A line is written before its round's checkpoint commits: a torn one is of a
-                    # round that never committed, and goes like every line past the checkpoint.
-                    log.warning("%s line %d is torn (a kill mid-write); dropped with the uncommitted rounds",
-                                self.path, number)
-                    continue
-                if round_ <= committed:
-                    kept.append(line)
-            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
+        keep_committed_lines(self.path, folder.committed_round())
 
     def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        line = {"round": round_, **{key: value for key, value in metrics.items() if key != OUTCOMES}}
         with self.path.open("a") as handle:
-            handle.write(json.dumps({"round": round_, **metrics}, sort_keys=True) + "\n")
+            handle.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+class OutcomesLog:
+    """outcomes.jsonl, one line per evaluated round: each question scored, in the test split's order,
+    as `questions` (VQASample ids), `positions` (in the run's test split: training.protocol.QUESTIONS)
+    and `scores` (MTV: and `zero_shot`), parallel lists; a round whose evaluation lost a client lists
+    only the questions scored, whose mean is the round's test_accuracy. One line per round, so a kill
+    mid-write leaves a line that does not parse rather than a round that looks whole; a resumed run
+    drops lines past the checkpoint, as MetricsLog does. `questions` is left out where this server
+    cannot load the test split (a deployment that keeps the data on the nodes)."""
+
+    def __init__(self, folder: RunFolder) -> None:
+        self.path = folder.path / OUTCOMES_FILE
+        self.config = folder.config
+        # The test split's ids, loaded at the first evaluated round (None: not loaded, or not loadable).
+        self._ids: list[str] | None = None
+        self._loaded = False
+        keep_committed_lines(self.path, folder.committed_round())
+
+    def question_ids(self) -> list[str] | None:
+        if not self._loaded:
+            self._loaded = True
+            try:
+                self._ids = [sample.id for sample in RunData.build(self.config).test_all]
+            except (OSError, ValueError) as error:
+                log.warning("%s names questions by position only: the test split does not load here (%s)",
+                            self.path, error)
+        return self._ids
+
+    def on_round_end(self, round_: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        if OUTCOMES not in metrics:
+            return
+        outcomes = dict(metrics[OUTCOMES])
+        ids = self.question_ids()
+        if ids is not None:
+            outcomes["questions"] = [ids[position] for position in outcomes["positions"]]
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"round": round_, **outcomes}, sort_keys=True) + "\n")
 
 
 class Checkpointer:

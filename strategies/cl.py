@@ -8,7 +8,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
-from strategies.base import RoundStrategy, pruning_record, sample_level_budget
+from strategies.base import Outcomes, RoundStrategy, pruning_record, sample_level_budget
 from training import protocol
 
 
@@ -29,4 +29,7 @@ class CLStrategy(RoundStrategy):
         reply = self.exchange(grid, nodes[0], round_, protocol.LOCAL_EVALUATE, {})
         self.receive(round_, nodes[0], protocol.EVALUATION_SCORE, reply)
         metrics = reply.metric_records[protocol.METRICS]
-        return {"test_accuracy": metrics["correct"] / max(metrics["count"], 1.0), "test_count": metrics["count"]}
+        outcomes = Outcomes()
+        outcomes.add(metrics)
+        return {"test_accuracy": metrics["correct"] / max(metrics["count"], 1.0), "test_count": metrics["count"],
+                **outcomes.record()}

@@ -28,16 +28,31 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from pruning import PruningRecord
 from config import SimConfig
-from strategies.base import ClientFault, GridWrapper, pruning_record, sample_level_budget
+from strategies.base import ClientFault, GridWrapper, Outcomes, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from strategies.dp import FederatedDP
 from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation, SecureRound
 from training import protocol
 from vlm.profiles import get_profile
 from wire import Transfer, Wire, WireError, numpy_record, numpy_tensors, serialized_size
+
+
+def scalar_metrics_average(contents: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """Flower's weighted average of the evaluation replies' metrics but their per-question lists
+    (training.protocol.QUESTIONS), which differ in length between clients: `aggregate_evaluate`
+    gathers those whole."""
+
+    def scalars(record: MetricRecord) -> MetricRecord:
+        return MetricRecord({key: value for key, value in record.items() if not isinstance(value, list)})
+
+    return aggregate_metricrecords(
+        [RecordDict({name: scalars(record) for name, record in content.metric_records.items()}) for content in contents],
+        weighted_by_key,
+    )
 
 
 class WireFedAvg(FedAvg):
@@ -56,6 +71,7 @@ class WireFedAvg(FedAvg):
             fraction_evaluate=1.0,
             arrayrecord_key=protocol.ARRAYS,
             configrecord_key=protocol.CONFIG,
+            evaluate_metrics_aggr_fn=scalar_metrics_average,
         )
         self.config, self.wire, self.callbacks = config, wire, list(callbacks)
         # Node id -> partition id, in partition order (strategies.base.federation_partitions).
@@ -255,7 +271,11 @@ class WireFedAvg(FedAvg):
         correct = sum(r.content.metric_records[protocol.METRICS]["correct"] for r in kept)
         count = sum(r.content.metric_records[protocol.METRICS]["count"] for r in kept)
         if self.sent_to:
-            self.record.update({"test_accuracy": correct / count if count else None, "test_count": count})
+            outcomes = Outcomes()
+            for reply in kept:
+                outcomes.add(reply.content.metric_records[protocol.METRICS])
+            self.record.update({"test_accuracy": correct / count if count else None, "test_count": count,
+                                **outcomes.record()})
         self.record.update(self.wire.ledger.round_totals(round_))
         trips = SECAGG_ROUND_TRIPS if self.secagg else 1
         self.record.update({

@@ -41,7 +41,7 @@ from privacy.dp_mtv import (
     exponential_mechanism,
     release_sum,
 )
-from strategies.base import FAULTS, ClientFault, RoundStrategy
+from strategies.base import FAULTS, ClientFault, Outcomes, RoundStrategy
 from strategies.callbacks import RunCallback
 from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation
 from training import protocol
@@ -226,13 +226,16 @@ class MTVStrategy(RoundStrategy):
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         tensors = {protocol.VALUES: self.vector.values, protocol.MASK: self.vector.mask.int()}
         correct = zero_shot = count = 0.0
+        outcomes = Outcomes(zero_shot=True)
         for node, content in self._broadcast(grid, round_, nodes, protocol.MTV_EVALUATE, tensors, "evaluate").items():
             self.receive(round_, node, protocol.EVALUATION_SCORE, content)
             metrics = content.metric_records[protocol.METRICS]
+            outcomes.add(metrics)
             correct, zero_shot, count = correct + metrics["correct"], zero_shot + metrics["zero_shot_correct"], count + metrics["count"]
         if not count:
-            return {"test_accuracy": None, "test_count": 0}
-        return {"test_accuracy": correct / count, "zero_shot_accuracy": zero_shot / count, "test_count": count}
+            return {"test_accuracy": None, "test_count": 0, **outcomes.record()}
+        return {"test_accuracy": correct / count, "zero_shot_accuracy": zero_shot / count, "test_count": count,
+                **outcomes.record()}
 
     def state_dict(self) -> dict[str, Any]:
         if self.vector is None:

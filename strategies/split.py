@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 
 from config import SimConfig
 from pruning import PruningRecord
-from strategies.base import FAULTS, RoundStrategy, pruning_record, sample_level_budget
+from strategies.base import FAULTS, Outcomes, RoundStrategy, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from training import protocol
 from training.model import PartyModel, make_optimizer
@@ -167,6 +167,7 @@ class SplitStrategy(RoundStrategy):
     # -- evaluation: greedy decoding through the cuts, scored by each client -----------------
     def evaluate_round(self, grid: Grid, round_: int, nodes: list[int]) -> dict[str, Any]:
         correct = count = 0.0
+        outcomes = Outcomes()
         for node in nodes:
             try:
                 batch, batches = 0, 1
@@ -176,12 +177,13 @@ class SplitStrategy(RoundStrategy):
                     while "count" not in reply.metric_records[protocol.METRICS]:
                         reply = self.eval_step(grid, node, round_, reply)
                     self.receive(round_, node, protocol.EVALUATION_SCORE, reply)
+                    outcomes.add(reply.metric_records[protocol.METRICS])
                     correct += reply.metric_records[protocol.METRICS]["correct"]
                     count += reply.metric_records[protocol.METRICS]["count"]
                     batch += 1
             except FAULTS as error:
                 self.record_fault(round_, node, "evaluation", error, "its test share is not scored this round")
-        return {"test_accuracy": correct / count if count else None, "test_count": count}
+        return {"test_accuracy": correct / count if count else None, "test_count": count, **outcomes.record()}
 
     @abstractmethod
     def eval_step(self, grid: Grid, node: int, round_: int, reply: RecordDict) -> RecordDict:

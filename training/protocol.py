@@ -48,8 +48,19 @@ MESSAGE_TYPES = (
     SPLIT_BEGIN, SL_BACKWARD, USL_TAIL, USL_HEAD, EVAL_BEGIN, SL_EVAL_NEXT, USL_EVAL_TAIL, CL_TRAIN, LOCAL_EVALUATE,
     TRAIN, FL_EVALUATE, MTV_SCORES, MTV_EVALUATE, PARTITION_QUERY,
 )
+# An evaluation score's metrics, besides its summed score ("correct") and count: per question it
+# scored, in the same order, its position in the run's test split (training.data.RunData.test_all,
+# the order data.* load it in; positions, not VQASample.id: a MetricRecord holds numbers only, a
+# position is exact where a hash of the id could collide, it is the smallest on the wire, whose bytes
+# the run measures, and the server maps it back to the id from the same split) and its score
+# (MTV: also the zero-shot one): what OUTCOMES_FILE records, to pair runs question by question.
+QUESTIONS = "questions"
+QUESTION_SCORES = "question-scores"
+ZERO_SHOT_SCORES = "zero-shot-scores"
 # The run folder's record of the answers: node id -> partition id of every node that served the run.
 NODE_PARTITIONS_FILE = "nodes.json"
+# The run folder's per-question outcomes of each evaluated round (strategies.callbacks.OutcomesLog).
+OUTCOMES_FILE = "outcomes.jsonl"
 # MTV: the run folder's released task vector (values, mask, ledger), what a membership audit queries with.
 TASK_VECTOR_FILE = "task_vector.pt"
 

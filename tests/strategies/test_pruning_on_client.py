@@ -12,11 +12,13 @@ from pruning import keep_count
 from pruning.metrics import RECORD_PREFIX
 from config import load_config
 from strategies.app import run
+from training import protocol
 from training.selector import build_selector
 from wire.wire import RAW_STYPE
 
 TINY_PATCHES, TINY_K_MIN = 16, 1
 INTEGER_PAYLOADS = {"lengths", "answers", "answer_lengths"}
+OUTCOME_LISTS = {protocol.QUESTIONS, protocol.QUESTION_SCORES, protocol.ZERO_SHOT_SCORES}
 
 
 def as_numpy(array) -> np.ndarray:
@@ -75,8 +77,9 @@ def test_keep_indices_never_leave_the_client(paradigm, run_config, fake_grid, mo
         for metric_record in content.metric_records.values():
             for name, value in metric_record.items():
                 # Lists only for the pruning record's per-sample counts and ratios (the
-                # server sees each sample's length anyway), never the keep indices.
-                assert isinstance(value, int | float) or name.startswith(RECORD_PREFIX), name
+                # server sees each sample's length anyway) and the evaluation's per-question
+                # positions and scores, never the keep indices.
+                assert isinstance(value, int | float) or name.startswith(RECORD_PREFIX) or name in OUTCOME_LISTS, name
                 assert not any(np.array_equal(np.asarray(value).ravel(), indices) for indices in chosen), name
         for config_record in content.config_records.values():
             assert all(not isinstance(value, list) for value in config_record.values())

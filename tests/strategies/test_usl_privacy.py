@@ -8,6 +8,7 @@ from pruning.metrics import RECORD_PREFIX
 from config import load_config
 from strategies import app as server_app
 from strategies.app import run
+from training import protocol
 
 
 # A hijacking server (FSHA) answers with other gradients, but receives exactly what an honest one does.
@@ -30,10 +31,11 @@ def test_the_server_receives_only_cut_activations_and_gradients(threat, run_conf
         assert set(content.config_records) == set()  # no text, no ids
         assert set(content.array_records) == {"wire"}
         assert set(content.array_records["wire"]) <= {"rows", "lengths", "grad"}
-        # The loss, evaluation counts and the pruning record (kept counts, exclusion ratios,
-        # mark-removal counts) — no labels, no logits.
+        # The loss, evaluation counts and scores (per question: its position in the test split) and
+        # the pruning record (kept counts, exclusion ratios, mark-removal counts) — no labels, no logits.
         names = set(content.metric_records["metrics"])
-        assert {n for n in names if not n.startswith(RECORD_PREFIX)} <= {"loss", "eval-batches", "correct", "count"}
+        assert {n for n in names if not n.startswith(RECORD_PREFIX)} <= {
+            "loss", "eval-batches", "correct", "count", protocol.QUESTIONS, protocol.QUESTION_SCORES}
     kinds = {transfer.kind for transfer in observed}
     assert kinds == {"activation at CA", "gradient at CB", "end of turn", "evaluation activation at CA", "evaluation score"}
     hidden = 32  # tiny profile
