@@ -9,7 +9,7 @@ outputs (reconstructed images, recovered tokens) for inspection.
 Each attack module ends with `register_attack(TheAttack)` (attacks/__init__.py imports every
 module of the package, so a new module is registered by being there); the replay command and
 `build_attack` find attacks by name only through this registry, and the results tables
-(sims.results) read what each attack declares of itself: its kind, what it reads and its
+(analysis/) read what each attack declares of itself: its kind, what it reads and its
 headline metrics.
 """
 

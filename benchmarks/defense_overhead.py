@@ -26,13 +26,16 @@ from typing import Any
 
 import torch
 
+from analysis.provenance import model_identity, seeds_of
 from clients.runtime import build_runtime
 from clients.sl import SLClient
 from clients.usl import USLClient
 from config import load_config
 from privacy import DefenseChain, defense_class, options_from
 
-from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown
+from report import (
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, provenance_for, read_json, write_json, write_markdown,
+)
 
 NAME = "defense_overhead"
 COMMAND = "python benchmarks/defense_overhead.py"
@@ -66,6 +69,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "data.test_limit": 16, "clients.count": 1, "train.batch_size": args.batch_size,
             "output.root": root, "output.name": "overhead",
         })
+        stamp = provenance_for(args, seeds=seeds_of(config.to_flat()),
+                               models={"mini": model_identity("mini", stage=stage)})
         runtime = build_runtime(config, 0, os.path.join(root, "client"))
         runtime.sync_private_state()
         client = {"usl": USLClient, "sl": SLClient}[args.paradigm](runtime)
@@ -88,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     tokens.append(front.rows.shape[0])
         per_k = {label: 1000 * statistics.median(values) / statistics.median(tokens) for label, values in seconds.items()}
     return {
-        "stamp": provenance(),
+        "stamp": stamp,
         "settings": {"paradigm": args.paradigm, "stage": stage, "batch_size": args.batch_size,
                      "repeats": args.repeats, "tokens_per_batch": statistics.median(tokens),
                      "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()},
@@ -127,6 +132,7 @@ def main() -> None:
     parser.add_argument("--paradigm", choices=("usl", "sl"), default="usl")
     parser.add_argument("--stage", choices=("base", "random"), default="base")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats}: at least 1")

@@ -32,13 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from analysis.provenance import seeds_of
 from clients.runtime import build_runtime
 from config import load_config
 from sims.deploy import CONNECTION
 from sims.launch import app_config, toml_value
 from sims.loopback import LoopbackFederation
 
-from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown
+from report import (
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, provenance_for, read_json, write_json, write_markdown,
+)
 
 NAME = "deployment_roundtrip"
 COMMAND = "python benchmarks/deployment_roundtrip.py"
@@ -122,6 +125,10 @@ def client_build_seconds(root: Path) -> float:
 def measure(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="qpriv-deploy-bench-") as tmp:
         root = Path(tmp)
+        # Every run here is tiny with the apps' declared seeds.
+        declared = load_config(app_config(SIMS / "usl_easyvqa", {"output.root": str(root), "output.name": "stamp",
+                                                                 "model.profile": "tiny"}))
+        stamp = provenance_for(args, seeds=seeds_of(declared.to_flat()), models=[declared.model.profile])
         load_before = Path("/proc/loadavg").read_text().split()[:3]
         breakdown = {"import_flwr_clientapp_s": import_seconds("flwr.clientapp"),
                      "import_clients_app_s": import_seconds("clients.app"),
@@ -133,7 +140,7 @@ def measure(args) -> dict:
             usl = {"per_message_process": usl_run(federation, root, "usl-cold", False, args),
                    "warm_worker": usl_run(federation, root, "usl-warm", True, args)}
         load_after = Path("/proc/loadavg").read_text().split()[:3]
-    return {"provenance": provenance(), "load": args.load, "loadavg_before": load_before, "loadavg_after": load_after,
+    return {"provenance": stamp, "load": args.load, "loadavg_before": load_before, "loadavg_after": load_after,
             "round_trip": trips, "breakdown": breakdown, "usl": usl,
             "ratio_warm_vs_floor": trips["warm_worker"]["median_s"] / trips["floor"]["median_s"],
             "ratio_per_message_vs_floor": trips["per_message_process"]["median_s"] / trips["floor"]["median_s"],
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--usl-steps", type=int, default=2, help="steps per client per USL round")
     parser.add_argument("--load", default="", help="what else ran on the machine (kept in the JSON)")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.usl_rounds < 1 or args.usl_steps < 1:
         parser.error(f"--usl-rounds {args.usl_rounds} and --usl-steps {args.usl_steps}: each at least 1")

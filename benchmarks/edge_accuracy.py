@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from config import load_config
+from analysis.provenance import seeds_of
+from config import SimConfig, load_config
 from privacy import EVAL, DefenseChain, DefenseSeed, OptionError, defense_class, options_from
 from privacy.edge import check_edge, edge_vision_tokens
 from training.data import RunData
@@ -36,7 +37,9 @@ from vlm.profiles import get_profile
 from vqa import aggregate_accuracy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import REPORT_HELP, RESULTS, markdown_table, percent, provenance, read_json, write_json, write_markdown  # noqa: E402
+from report import (  # noqa: E402
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, read_json, write_json, write_markdown,
+)
 
 NAME = "edge_accuracy"
 COMMAND = "python benchmarks/edge_accuracy.py"
@@ -53,9 +56,13 @@ def chain_of(names: list[str], options: dict[str, dict[str, Any]]) -> DefenseCha
     return DefenseChain.build(names, {n: options_from(defense_class(n), options.get(n, {})) for n in names})
 
 
+def config_for(profile: str, args: argparse.Namespace) -> SimConfig:
+    return load_config({"model.profile": profile, "model.stage": "vqa", "paradigm": "sl", "clients.count": 1,
+                        "data.train_limit": 1, "data.test_limit": args.limit, "output.name": "edge-accuracy"})
+
+
 def measure_profile(profile: str, args: argparse.Namespace) -> dict[str, Any]:
-    config = load_config({"model.profile": profile, "model.stage": "vqa", "paradigm": "sl", "clients.count": 1,
-                          "data.train_limit": 1, "data.test_limit": args.limit, "output.name": "edge-accuracy"})
+    config = config_for(profile, args)
     party = load_party_model(config)
     data = RunData.build(config)
     tokenizer = data.tokenizer(party.bundle)
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results folder")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.report:
         print(f"wrote {render_report(read_json(NAME, args.out), args.out)}")
@@ -142,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit < 1:
         parser.error(f"--limit {args.limit}: at least 1")
     torch.set_num_threads(1)
-    results = {"provenance": provenance(), "load": args.load,
+    # The data's seeds are the config's, the same for every profile; --seed draws the operations'.
+    seeds = {**seeds_of(config_for(profiles[0], args).to_flat()), "seed": args.seed} if profiles else {"seed": args.seed}
+    results = {"provenance": provenance_for(args, seeds=seeds, models=profiles), "load": args.load,
                "settings": {"limit": args.limit, "seed": args.seed, "positionless": dict(args.positionless)},
                "profiles": [measure_profile(profile, args) for profile in profiles]}
     write_json(NAME, results, args.out)

@@ -65,10 +65,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from analysis.provenance import model_identity, seeds_of
 from training import protocol
 from vlm.profiles import get_profile, profile_names
 
-from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown
+from report import (
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, provenance_for, read_json, write_json, write_markdown,
+)
 
 if TYPE_CHECKING:
     from config import SimConfig
@@ -113,6 +116,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="in-process USL and unsplit runs, alternated")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of gpu_scale.json and .md")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     return parser.parse_args(argv)
 
 
@@ -470,8 +474,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # The run's settings before its DTP artefact exists (the schema refuses a dtp policy without one).
     config = load_config(app_config(SIM, {**run_overrides(args, root, artifacts, "usl"), "pruning.policy": "off"}))
     profile = get_profile(args.profile)
+    stamp = provenance_for(args, seeds=seeds_of(config.to_flat()),
+                           models={args.profile: model_identity(args.profile, stage=config.model.stage)})
     results: dict[str, Any] = {
-        "provenance": provenance(),
+        "provenance": stamp,
         "device": device_stamp(args.device),
         "settings": {"sim": "sims/usl_vqarad", "profile": args.profile, "dtype": config.model.dtype,
                      "wire": config.wire.dtype, "cuts": list(config.cuts), "lora_rank": config.model.lora_rank,

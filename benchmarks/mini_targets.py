@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
 
+from analysis.provenance import model_identity
 from vlm.answering import answer_questions
 from vlm.features import VisionFeatureCache
 from vlm.mini import MiniFolder, MiniRecipe, build_mini, load_mini
@@ -34,9 +35,10 @@ from vqa import aggregate_accuracy, load_vqa
 from report import (
     REPORT_HELP,
     RESULTS,
+    add_allow_dirty,
     markdown_table,
     percent,
-    provenance,
+    provenance_for,
     read_json,
     span,
     write_json,
@@ -122,16 +124,19 @@ def main() -> None:
     parser.add_argument("--curve-samples", type=int, default=3000, help="test questions per keep-curve point")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.report:
         print(f"wrote {render_report(read_json(NAME))}")
         return
     recipe = MiniRecipe()
-    stamp = provenance()
+    stamp = provenance_for(args, seeds={"seed": args.seed, "recipe.seed": recipe.seed}, models=())
     root = Path(tempfile.mkdtemp(prefix="qpriv-mini-")) if args.fresh_build else None
     folder = MiniFolder(recipe, root)
     if args.fresh_build or not folder.lora.is_file():
         build_mini(recipe, root=root)
+    # Known only once built (a --fresh-build builds under its own root).
+    stamp["models"] = {"mini": model_identity("mini", root)}
     build_report = folder.read_report()
 
     train, test = load_vqa("easyvqa", "train"), load_vqa("easyvqa", "test")

@@ -45,11 +45,15 @@ from vlm.segments import run_decoder_layers
 from wire import pack_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import REPORT_HELP, RESULTS, markdown_table, provenance, read_json, write_json, write_markdown  # noqa: E402
+from report import (  # noqa: E402
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, provenance_for, read_json, write_json, write_markdown,
+)
 
 NAME = "paf_actinv"
 COMMAND = "python benchmarks/paf_actinv.py"
 PROFILE, STAGE = "mini", "base"
+# The model's seed, and that of the public rows ActInv fits on.
+MODEL_SEED, AUX_SEED = 0, 1
 METRICS = ("rouge_l", "whole_prompt_rouge_l", "token_recall", "token_precision")
 SUMMARIES = {
     "front_mean_paf": "mean PAF, all sub-layers in front of the cut",
@@ -110,12 +114,14 @@ def correlations(per_cut: list[dict]) -> list[dict]:
 
 def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
+    stamp = provenance_for(args, seeds={"model.seed": MODEL_SEED, "aux": AUX_SEED, "paf": PAFOptions().seed},
+                           models=[PROFILE])
     start = time.perf_counter()
-    front = load_front(PROFILE, STAGE, args.samples)
+    front = load_front(PROFILE, STAGE, args.samples, seed=MODEL_SEED)
     knowledge, rows, inputs = front.knowledge, front.rows, front.inputs
     layers = knowledge.num_layers
     # Public rows for ActInv's fit (the mean projected visual token): test-split images, none a victim's.
-    aux = list(load_vqa("easyvqa", "test", limit=64, seed=1))
+    aux = list(load_vqa("easyvqa", "test", limit=64, seed=AUX_SEED))
     loaded = time.perf_counter() - start
 
     # ActInv's ROUGE-L is about the text (the question): PAF is taken at text tokens.
@@ -141,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict:
                   f"PAF: mean in front {per_cut[-1]['front_mean_paf']:.3f}, last block "
                   f"{per_cut[-1]['last_block_mean_paf']:.3f}, whole front {per_cut[-1]['whole_front_paf']:.3f}")
     return {
-        "provenance": provenance(),
+        "provenance": stamp,
         "settings": {"profile": PROFILE, "stage": STAGE, "samples": len(rows), "iterations": args.iterations,
                      "actinv_paper_iterations": 2000, "paf_options": dataclasses.asdict(options), "paf_tokens": "text",
                      "front_tokens_per_sample": args.front_tokens, "torch_threads": 1,
@@ -241,6 +247,7 @@ def main() -> None:
     parser.add_argument("--front-tokens", type=int, default=4, help="text tokens per row for the whole front's PAF")
     parser.add_argument("--directions", type=int, default=100)
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.report:
         print(f"wrote {render_report(read_json(NAME))}")

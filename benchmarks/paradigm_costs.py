@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from analysis.provenance import model_identity, seeds_of
 from clients import runtime as client_runtime
 from clients.runtime import build_runtime
 from config import load_config
@@ -54,7 +55,7 @@ from vlm.profiles import get_profile
 from vlm.segments import next_token_loss, run_decoder_layers
 from wire import WIRE_DTYPES
 
-from report import REPORT_HELP, markdown_table, provenance, read_json, write_json, write_markdown
+from report import REPORT_HELP, add_allow_dirty, markdown_table, provenance_for, read_json, write_json, write_markdown
 
 NAME = "paradigm_costs"
 COMMAND = "python benchmarks/paradigm_costs.py"
@@ -241,6 +242,7 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=512)
     parser.add_argument("--stage", default="random", choices=("base", "random"))
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args()
     if args.report:
         print(f"wrote {render_report(read_json(NAME))}")
@@ -260,7 +262,11 @@ def main() -> None:
 
 
 def measure(args, root: Path) -> dict:
-    results: dict = {"provenance": provenance(), "steps": args.steps, "batch_size": args.batch_size,
+    # Every run measured here shares these (paradigm and wire dtype aside).
+    declared = load_config(app_config(SIMS / "usl_easyvqa", overrides_for(args, root, "stamp")))
+    stamp = provenance_for(args, seeds=seeds_of(declared.to_flat()),
+                           models={declared.model.profile: model_identity(declared.model.profile, stage=args.stage)})
+    results: dict = {"provenance": stamp, "steps": args.steps, "batch_size": args.batch_size,
                      "stage": args.stage, "load_average": os.getloadavg()[0], "runs": {}}
 
     # USL fp32 last, so the in-process and unsplit steps it is compared with run right after it.

@@ -44,7 +44,9 @@ from sims.privacy_cli import attacker_view
 from vlm.profiles import profile_names
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import REPORT_HELP, RESULTS, markdown_table, percent, provenance, read_json, write_json, write_markdown  # noqa: E402
+from report import (  # noqa: E402
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, read_json, write_json, write_markdown,
+)
 
 NAME = "sara_shuffle"
 COMMAND = "python benchmarks/sara_shuffle.py"
@@ -201,13 +203,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=NAME, help="the results' file names (another setting beside the paper's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.report:
         print(f"wrote {render_report(read_json(args.name, args.out), args.out, args.name)}")
         return
     check_arguments(args, parser)
     torch.set_num_threads(1)
-    results = {"provenance": provenance(), "load": args.load,
+    # Every draw here (the images, SARA, the probes) is seeded from --seed.
+    results = {"provenance": provenance_for(args, seeds={"seed": args.seed}, models=args.profiles), "load": args.load,
                "settings": {"aux": args.aux, "victims": args.victims, "probe_images": args.probe_images,
                             "probes": list(args.probes), "seed": args.seed},
                "profiles": []}

@@ -9,9 +9,10 @@
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (--sweep; default ~/qpriv-sweeps/<name>, else the sweep's archive in
-results/sweeps/<name>, which `qpriv-sweep run --archive` keeps: sims/archive.py) through
-sims/results.py, the loader the results notebook draws from, so the notebook's tables and these
-are the same numbers. Writes results/<name>.json (the tables, the sweep's time per run and attack, and the
+results/sweeps/<name>, which `qpriv-sweep run --archive` keeps: sims/archive.py) through the
+analysis package the results notebook draws from, so the notebook's tables and these are the same
+numbers; each paper's claims are judged by analysis.claims (paired intervals over seeds, a declared
+margin, and "not testable" with why). Writes results/<name>.json (the tables, the sweep's time per run and attack, and the
 provenance the sweep stamped when it started: the commit its runs were made with) and renders
 results/<name>.md from it.
 """
@@ -23,7 +24,10 @@ from typing import Any
 
 import pandas as pd
 
-from sims import results as R
+from analysis import runs, tables as T
+from analysis.provenance import merge
+from analysis.claims import activation_inversion, dp_mtv, qpriv_vl, vision_edge
+from attacks.base import ATTACKS
 from sims.sweep import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
@@ -48,45 +52,42 @@ def sweep_seconds(folder: Path) -> dict[str, Any]:
 
 
 def measure(name: str, folder: Path) -> dict[str, Any]:
-    results = R.load_results(folder)
+    results = runs.load_results(folder)
     stamp = json.loads((folder / SWEEP_STAMP).read_text())
     tables: dict[str, Any] = {"incomplete": records(results.incomplete)}
     if name == "paradigms":
-        tables["paradigms"] = records(R.paradigm_table(results))
+        tables["paradigms"] = records(T.paradigm_table(results))
         per_round = results.rounds.merge(results.runs[["run", "paradigm"]], on="run")
         tables["rounds"] = records(per_round[["paradigm", "round", "test_accuracy", "train_loss"]])
     elif name == "defenses":
-        tables["defenses"] = records(R.defense_table(results))
-        tables["defense_claims"] = {p: records(R.defense_claims(results, p))
+        tables["defenses"] = records(T.defense_table(results))
+        tables["defense_claims"] = {p: records(activation_inversion.claims(results, p))
                                     for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     elif name == "vision-edge":
-        tables["edge"] = records(R.image_attack_table(results))
-        puri = R.puri_table(results)
-        tables["puri"], tables["best_puri"] = records(puri), records(R.best_by_puri(puri))
-        tables["seed_spread"] = records(R.seed_spread(results))
-        tables["edge_claims"] = {p: records(R.edge_claims(results, p))
+        tables["edge"] = records(T.image_attack_table(results))
+        puri = T.puri_table(results)
+        tables["puri"], tables["best_puri"] = records(puri), records(T.best_by_puri(puri))
+        tables["seed_spread"] = records(T.seed_spread(results))
+        tables["edge_claims"] = {p: records(vision_edge.claims(results, p))
                                  for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     elif name == "federated-privacy":
-        table = R.federated_privacy_table(results)
-        tables["federated_privacy"], tables["audit_violations"] = records(table), records(R.audit_violations(table))
+        table = T.federated_privacy_table(results)
+        tables["federated_privacy"], tables["audit_violations"] = records(table), records(T.audit_violations(table))
     elif name == "dpmtv":
-        tables["mtv"], tables["mtv_claims"] = records(R.mtv_table(results)), records(R.mtv_claims(results))
+        tables["mtv"], tables["mtv_claims"] = records(T.mtv_table(results)), records(dp_mtv.claims(results))
     else:
-        tables["pruning"] = records(R.pruning_table(results))
-        tables["attacks"] = records(R.attack_table(results))
+        tables["pruning"] = records(T.pruning_table(results))
+        tables["attacks"] = records(T.attack_table(results))
         mia = results.attacks[results.attacks["attack"] == "mia"]
         tables["mia"] = records(mia[["paradigm", "policy", "attack_success", "auc", "tpr_at_fpr_0.01",
                                      "tpr_at_fpr_0.001"]])
         tables["baselines"] = records(
-            results.attacks[results.attacks["attack"].isin(R.IMAGE_ATTACKS)]
+            results.attacks[results.attacks["attack"].isin(T.IMAGE_ATTACKS)]
             .groupby("paradigm")[["baseline_psnr", "baseline_ssim", "mark_readback_chance", "mark_readback_originals"]]
             .mean().reset_index())
-        tables["claims"] = {p: records(R.claims(results, p)) for p in sorted(set(results.attacks["paradigm"]))}
+        tables["claims"] = {p: records(qpriv_vl.claims(results, p)) for p in sorted(set(results.attacks["paradigm"]))}
     starts = stamp["starts"]
-    commits = list(dict.fromkeys(start["commit"] for start in starts))
-    provenance = {**starts[0], "commit": ", ".join(commits),
-                  "measured": f"{starts[0]['measured']}, the first of {len(starts)} starts" if len(starts) > 1
-                  else starts[0]["measured"]}
+    provenance = merge(starts)
     for local in ("points", "runner", "folder", "started"):
         provenance.pop(local, None)
     return {"provenance": provenance, "starts": len(starts), "sweep": Path(stamp["file"]).name,
@@ -98,6 +99,32 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
 
 def _f(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
+
+
+CLAIMS_NOTE = ("Each verdict compares every seed of the settings it names, paired seed by seed and question by "
+               "question, with a 95% bootstrap interval over seeds and questions, against the rule's margin: "
+               "inconclusive when the interval straddles it; not testable (and why) with fewer than three seeds, "
+               "without the runs, or when the attack sits at its floor.")
+
+
+def claims_table(rows: list[dict[str, Any]]) -> str:
+    """A paper's claims: what it reports, the estimate with its interval and n, the verdict, the rule or why not."""
+    def measured(r: dict[str, Any]) -> str:
+        if r.get("estimate") is None:
+            return "—"
+        interval = f" [{r['low']:+.3g}, {r['high']:+.3g}]" if r["low"] != r["high"] else ""
+        return f"{r['measured']}: {r['estimate']:+.3g}{interval}"
+
+    def judged(r: dict[str, Any]) -> list[str]:
+        if "n" in r:
+            return [measured(r), r["n"] or "—", r["verdict"], r["reason"]]
+        # A result measured before verdicts were paired: one run per point, no interval.
+        return [r["measured"], "1 run per point", "not testable",
+                f"measured before paired verdicts; the sweep must run again at three seeds or more (then read: "
+                f"{r['verdict']}; {r['reason']})"]
+
+    return CLAIMS_NOTE + "\n\n" + markdown_table(["claim", "paper", "measured (95% interval)", "n", "verdict", "rule / why"],
+                                                 [[r["claim"], r["paper"], *judged(r)] for r in rows])
 
 
 def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "paradigms") -> Path:
@@ -134,9 +161,10 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
               percent(r["mark_patches_removed_share"]), _f(r["exclusion_ratio"], ".2f")] for r in tables["pruning"]])]
         lines += ["", "## Attacks", "", "PSNR in dB; mark: the stamped digit read back from the reconstruction; "
                   "ActInv: question-token recall; iDLG: answer accuracy; MIA: attack success.", "", markdown_table(
-            ["paradigm", "policy", "kept tokens", "FORA dB", "FSHA dB", "SARA dB", "mark FORA / FSHA", "ActInv recall",
+            ["paradigm", "server", "policy", "kept tokens", "FORA dB", "FSHA dB", "SARA dB", "mark FORA / FSHA", "ActInv recall",
              "iDLG acc.", "MIA success"],
-            [[r["paradigm"].upper(), r["policy"], _f(r.get("kept_tokens_mean"), ".1f"), _f(r.get("fora_psnr"), ".1f"),
+            [[r["paradigm"].upper(), r["threat"], r["policy"], _f(r.get("kept_tokens_mean"), ".1f"),
+              _f(r.get("fora_psnr"), ".1f"),
               _f(r.get("fsha_psnr"), ".1f"), _f(r.get("sara_psnr"), ".1f"),
               f"{_f(r.get('fora_mark_readback'), '.2f')} / {_f(r.get('fsha_mark_readback'), '.2f')}",
               _f(r.get("actinv_token_recall"), ".2f"), _f(r.get("idlg_label_accuracy"), ".2f"),
@@ -150,26 +178,23 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
             [[r["paradigm"].upper(), r["policy"], _f(r["attack_success"], ".3f"), _f(r["auc"], ".3f"),
               _f(r["tpr_at_fpr_0.01"], ".3f"), _f(r["tpr_at_fpr_0.001"], ".3f")] for r in tables["mia"]])]
         for paradigm, rows in tables["claims"].items():
-            lines += ["", f"## The papers' claims, {paradigm.upper()}", "", markdown_table(
-                ["claim", "paper", "measured", "verdict", "rule / reason"],
-                [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
+            lines += ["", f"## QPriv-VL's claims, {paradigm.upper()}", "", claims_table(rows)]
     if "defenses" in tables:
         columns = [("actinv_token_recall", "ActInv recall"), ("actinv_masked_token_recall", "masked ActInv recall"),
                    ("fora_psnr", "FORA dB"), ("fora_adaptive_psnr", "adaptive FORA dB"), ("fsha_psnr", "FSHA dB"),
                    ("fsha_adaptive_psnr", "adaptive FSHA dB"), ("idlg_label_accuracy", "iDLG acc.")]
         shown = [(key, title) for key, title in columns if any(r.get(key) is not None for r in tables["defenses"])]
-        lines += ["", "## Defenses", "", "Each run trained under its defense (test accuracy) and attacked by the plain "
+        lines += ["", "## Defenses", "", "Each run trained under its defense (test accuracy; a hijacking server's runs, "
+                  "FSHA's, have rows of their own: their accuracy is not an honest run's) and attacked by the plain "
                   "attackers and those that know the defense (masked-cosine ActInv; FORA and FSHA whose inverse "
                   "network trains on defended rows). ActInv: question-token recall; image attacks: PSNR in dB; "
                   "iDLG: answer accuracy from USL's gradient at CB.", "", markdown_table(
-            ["paradigm", "defense", "test acc.", *(title for _, title in shown)],
-            [[r["paradigm"].upper(), r["defense_setting"], percent(r["test_accuracy"]),
+            ["paradigm", "server", "defense", "test acc.", *(title for _, title in shown)],
+            [[r["paradigm"].upper(), r["threat"], r["defense_setting"], percent(r["test_accuracy"]),
               *(_f(r.get(key), ".2f" if "psnr" not in key else ".1f") for key, _ in shown)]
              for r in tables["defenses"]])]
         for paradigm, rows in tables["defense_claims"].items():
-            lines += ["", f"## Seed 001's defense claims, {paradigm.upper()}", "", markdown_table(
-                ["claim", "paper", "measured", "verdict", "rule / reason"],
-                [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in rows])]
+            lines += ["", f"## Seed 001's defense claims, {paradigm.upper()}", "", claims_table(rows)]
     if "edge" in tables:
         lines += _edge_sections(tables)
     if "federated_privacy" in tables:
@@ -191,9 +216,9 @@ def edge_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, tuple[str, 
     labels = {key.removesuffix("_ssim") for row in rows for key, value in row.items()
               if key.endswith("_ssim") and value is not None}
     columns = []
-    for name in R.IMAGE_ATTACKS:
-        metrics = (*IMAGE_CELL, *(m for m in R.ATTACKS.get(name).headline if m not in IMAGE_CELL))
-        for label in sorted(label for label in labels if R.label_attack(label) == name):
+    for name in T.IMAGE_ATTACKS:
+        metrics = (*IMAGE_CELL, *(m for m in ATTACKS.get(name).headline if m not in IMAGE_CELL))
+        for label in sorted(label for label in labels if T.label_attack(label) == name):
             variant = label.removeprefix(name).replace("_", " ").strip()
             columns.append((label, f"{variant} {name.upper()}".strip(), metrics))
     return columns
@@ -235,9 +260,7 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
               f"{percent(r['mean'])} ± {100 * r['std']:.1f} pt", f"{percent(r['min'])}–{percent(r['max'])}"]
              for r in tables["seed_spread"]])]
     for paradigm, claims in tables["edge_claims"].items():
-        lines += ["", f"## Seed 002's findings, {paradigm.upper()}", "", markdown_table(
-            ["claim", "paper", "measured", "verdict", "rule / reason"],
-            [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in claims])]
+        lines += ["", f"## Seed 002's findings, {paradigm.upper()}", "", claims_table(claims)]
     return lines
 
 
@@ -258,8 +281,8 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
              "client's). iDLG precision (FL): the share of an update's batch's answer tokens among the tokens it "
              "scores highest; iDLG acc. (CB): each sample's answer read from USL's gradient at CB. Membership: on the "
              "canaries; audit ε: the canary audit's lower bound at 95%.", "",
-             markdown_table(["paradigm", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
-                            [[r["paradigm"].upper(), r["policy"], r["privacy_setting"], percent(r["test_accuracy"]),
+             markdown_table(["paradigm", "server", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
+                            [[r["paradigm"].upper(), r["threat"], r["policy"], r["privacy_setting"], percent(r["test_accuracy"]),
                               _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown)]
                              for r in rows])]
     violations = tables["audit_violations"]
@@ -289,9 +312,7 @@ def _mtv_sections(tables: dict[str, Any]) -> list[str]:
                               _f(r["bytes_up_per_client"], ",.0f"),
                               *((_f(r.get("audit_auc"), ".2f"), _f(r.get("audit_audit_epsilon"), ".2f")) if audited else ())]
                              for r in rows])]
-    lines += ["", "## Seed 003's claims", "", markdown_table(
-        ["claim", "paper", "measured", "verdict", "rule / reason"],
-        [[r["claim"], r["paper"], r["measured"], r["verdict"], r["reason"]] for r in tables["mtv_claims"]])]
+    lines += ["", "## Seed 003's claims", "", claims_table(tables["mtv_claims"])]
     return lines
 
 

@@ -32,7 +32,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -47,7 +46,9 @@ from sklearn.metrics import roc_auc_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from report import REPORT_HELP, RESULTS, markdown_table, percent, provenance, write_json, write_markdown
+from report import (
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, write_json, write_markdown,
+)
 
 NAME = "testbed"
 COMMAND = "python benchmarks/testbed.py"
@@ -597,9 +598,9 @@ def measure_memorisation_part(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     import testbed_memorisation  # noqa: PLC0415 - another helper's module, imported only when asked for
 
-    # Only the thread cap and progress: the preset's own profile and seed name its sweep folder, so the
-    # other helper's finished runs are reused rather than measured again under another name.
-    offered = {"threads": args.threads, "progress": not args.no_progress}
+    # Only the thread cap, progress and --allow-dirty: the preset's own profile and seed name its sweep
+    # folder, so the other helper's finished runs are reused rather than measured again under another name.
+    offered = {"threads": args.threads, "progress": not args.no_progress, "allow_dirty": args.allow_dirty}
     accepted = inspect.signature(testbed_memorisation.measure_memorisation).parameters
     return testbed_memorisation.measure_memorisation(**{k: v for k, v in offered.items() if k in accepted})
 
@@ -632,15 +633,6 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             parser.error(f"--dtp {folder}: needs a prepared DTP folder (prepare.json and dtp.pt)")
 
 
-def git_tree() -> dict[str, Any]:
-    try:
-        lines = subprocess.run(["git", "status", "--porcelain"], cwd=Path(__file__).parents[1], capture_output=True,
-                               text=True, check=True).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return {"dirty": None}
-    return {"dirty": bool(lines), "changed_paths": len(lines), "untracked_paths": sum(line.startswith("??") for line in lines)}
-
-
 def part_key(args: argparse.Namespace, bed: Testbed, part: str, extra: str = "") -> dict[str, Any]:
     """What a stored part was measured on: a part with another key is measured again."""
     return {"profile": args.profile, "weights_digest": bed.build["weights_digest"], "seed": args.seed,
@@ -656,9 +648,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = args.out
     results = load_existing(out)
     results.setdefault("parts", {})
+    # Taken once, before anything is measured: a dirty tree is refused before the time is spent.
+    measured_on = provenance_for(args, seeds={"seed": args.seed}, models=[args.profile])
 
     def stamp() -> None:
-        results["provenance"] = provenance() | {"tree": git_tree()}
+        results["provenance"] = measured_on
         results["settings"] = {"profile": args.profile, "dataset": DATASET, "seed": args.seed,
                                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                                "questions": args.questions or "all", "probe_images": args.probe_images or "all"}
@@ -738,6 +732,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results folder")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--report", action="store_true", help=REPORT_HELP)
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.report:
         path = args.out / f"{NAME}.json"
@@ -927,7 +922,10 @@ def memorisation_section(results: dict[str, Any]) -> str:
 
 def provenance_section(results: dict[str, Any]) -> str:
     model, settings = results.get("model", {}), results.get("settings", {})
-    tree = results.get("provenance", {}).get("tree", {})
+    stamp = results.get("provenance", {})
+    # Older stamps kept git's status under "tree", with the untracked paths counted apart.
+    tree = stamp.get("tree") or {"dirty": stamp.get("dirty"), "changed_paths": stamp.get("changed_paths") or 0}
+    untracked = f", {tree['untracked_paths']} untracked" if "untracked_paths" in tree else ""
     rows = []
     for name, part in results.get("parts", {}).items():
         if "result" not in part:
@@ -945,7 +943,7 @@ def provenance_section(results: dict[str, Any]) -> str:
         f"recipe `{model.get('recipe_fingerprint')}`",
         f"- data: `{settings.get('dataset')}`, seed {settings.get('seed')}, torch threads "
         f"{settings.get('torch_threads')} of {settings.get('cpu_count')} CPUs; tree dirty: {tree.get('dirty')} "
-        f"({tree.get('changed_paths', '?')} changed paths, {tree.get('untracked_paths', '?')} untracked)",
+        f"({tree.get('changed_paths', '?')} changed paths{untracked})",
         "",
         markdown_table(["part", "wall seconds", "load (1 min) before", "after"], rows),
     ])

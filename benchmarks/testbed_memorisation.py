@@ -266,12 +266,15 @@ def measure_memorisation(
     threads: int = 1,
     evaluate: bool = True,
     progress: bool = True,
+    allow_dirty: bool = False,
 ) -> dict[str, Any]:
     """The preset's points (those matching a pattern in `points`; default all) measured at
     `fractions` of their rounds and at epoch 0. `profile` and `seed` override model.profile and
     data.seed/model.seed of every point, `overrides` any other run-config key. Runs go to `out`
     (default: the sweep's own folder, ~/qpriv-sweeps/<preset stem>[-<profile>][-seed<seed>]).
-    Returns {"points": rows (one per point and epoch), "config": the fixed settings, ...}."""
+    A working tree whose code is not its commit's raises DirtyTree before anything runs, unless
+    `allow_dirty`. Returns {"points": rows (one per point and epoch), "config": the fixed settings, ...}."""
+    from analysis.provenance import of_runs, provenance
     from sims.sweep import load_sweep
 
     preset = Path(preset)
@@ -295,6 +298,7 @@ def measure_memorisation(
                      "checkpoints": checkpoint_rounds(int(point_overrides.get("train.rounds", point.config.train.rounds)),
                                                       fractions),
                      "mia_options": mia_options, "threads": threads, "evaluate": evaluate, "log": progress})
+    stamp = provenance(allow_dirty=allow_dirty, **of_runs({**point.config.to_flat(), **extra} for point in chosen))
     started = time.perf_counter()
     load_before = os.getloadavg()
     if processes <= 1 or len(jobs) == 1:
@@ -332,8 +336,6 @@ def measure_memorisation(
                   "data.test_split", "data.test_limit", "clients.count", "train.batch_size", "train.lr",
                   "threat.model", "privacy.defenses", "pruning.policy")
     flat = resolved.to_flat()
-    from sims.provenance import provenance
-
     return {
         "points": rows,
         "target_auc": TARGET_AUC,
@@ -353,12 +355,17 @@ def measure_memorisation(
         "wall_seconds": round(wall, 1),
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
-        "provenance": provenance(),
+        "provenance": stamp,
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    from analysis.provenance import DirtyTree
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from report import add_allow_dirty
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", type=Path, default=PRESET, help="the sweep file whose points are measured")
     parser.add_argument("--points", action="append", metavar="PATTERN", help="only the points matching this pattern")
@@ -375,16 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"merge the result into --results under {KEY!r}")
     parser.add_argument("--results", type=Path, default=RESULTS_FILE, help="the JSON --write merges into")
     parser.add_argument("--json", type=Path, help="also write the result alone to this file")
+    add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.processes < 1 or args.threads < 1:
         parser.error("--processes and --threads must be at least 1")
     from sims.launch import parse_overrides
 
-    result = measure_memorisation(
-        args.preset, profile=args.profile, seed=args.seed, points=args.points,
-        fractions=[float(f) for f in args.fractions.split(",") if f.strip()],
-        overrides=parse_overrides(args.set) if args.set else None, out=args.out,
-        processes=args.processes, threads=args.threads, evaluate=not args.no_evaluate)
+    try:
+        result = measure_memorisation(
+            args.preset, profile=args.profile, seed=args.seed, points=args.points,
+            fractions=[float(f) for f in args.fractions.split(",") if f.strip()],
+            overrides=parse_overrides(args.set) if args.set else None, out=args.out,
+            processes=args.processes, threads=args.threads, evaluate=not args.no_evaluate,
+            allow_dirty=args.allow_dirty)
+    except DirtyTree as error:
+        print(f"testbed_memorisation: {error}", file=sys.stderr)
+        return 2
     for row in result["points"]:
         print(f"{row['point']}: {row['train_rows']} rows, {row['epochs']:g} epochs: test accuracy "
               f"{row.get('test_accuracy')}, AUC {row.get('mia_auc'):.3f} ({row.get('members')}/{row.get('non_members')})")

@@ -12,7 +12,7 @@ An archive is laid out as a sweep folder: `sweep.json` (every start, from every 
 from (RUN_FILES, the attack results' JSON, and their outputs up to MAX_OUTPUT_BYTES each) and
 MARKER (when, from which sweep folder, what was left out). Not its checkpoints, recording or
 clients' state: a restored point can be read, not resumed or attacked again; an attack it
-lacks needs the run again (delete its folder). `sims.results.load_results` reads an archive as
+lacks needs the run again (delete its folder). `analysis.runs.load_results` reads an archive as
 it reads a sweep folder.
 """
 
@@ -27,9 +27,10 @@ from typing import Any
 
 from attacks.context import ATTACK_FOLDER
 from strategies.callbacks import CANARIES_FILE, write_json_atomically
-from training.protocol import NODE_PARTITIONS_FILE
+from training.protocol import NODE_PARTITIONS_FILE, OUTCOMES_FILE
 
-RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "committed.json", NODE_PARTITIONS_FILE, CANARIES_FILE)
+RUN_FILES = ("config.json", "status.json", "metrics.jsonl", OUTCOMES_FILE, "committed.json", NODE_PARTITIONS_FILE,
+             CANARIES_FILE)
 MARKER = "archived.json"
 STAMP = "sweep.json"
 # Attack outputs (reconstructions, MIA scores) larger than this stay on the machine: 70 points of

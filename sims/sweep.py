@@ -1,6 +1,6 @@
 """Sweeps: one file names many runs and the attacks replayed on each; runs resume, results stay.
 
-    qpriv-sweep run sims/sweeps/paradigms.toml [--runner flwr|inprocess] [--out DIR]
+    qpriv-sweep run sims/sweeps/paradigms.toml [--runner flwr|inprocess] [--out DIR] [--allow-dirty]
     qpriv-sweep status sims/sweeps/paradigms.toml [--out DIR] [--points 'paradigms-*']
     python -m sims.sweep run sims/sweeps/smoke.toml          # the same CLI
 
@@ -8,6 +8,9 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
 
     [sweep]    sim = "sims/usl_easyvqa"  the app whose declared config every point starts from
                runner = "flwr"           or "inprocess" (--runner overrides)
+               seeds = [0, 1, 2]         optional: every point runs at each seed (model.seed,
+                                         data.seed and privacy.seed set to it; run names end in
+                                         -s<seed>), what a paired verdict needs (analysis.stats)
     [fixed]    run-config overrides for every point ("model.profile" = "mini", ...)
     [dtp]      optional: pruning.prepare.PrepareSettings fields; the artefacts are prepared once into
                <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them
@@ -34,15 +37,17 @@ config changed since its run folder was written is refused naming the changed ke
 sweep folder (default ~/qpriv-sweeps/<file stem>) holds `runs/<point>/` (ordinary run
 folders, which `python -m attacks` and the results notebook read), `points/<point>.json`
 (each point's overrides, failures, seconds per run and attack, and the attack and options its
-results were made with, keyed by label) and `sweep.json` (each start's points, commit and
-machine); a label's result is `runs/<point>/attacks/<LABEL>.json` (its "attack" field the
-label, details.base_attack the registered attack) and `<LABEL>.safetensors`. A
-failed run or attack is recorded with its reason and the sweep goes on; running the same
-command again skips finished runs and attack results, resumes an interrupted run and retries
-failures. Attacks whose fit reads only public data (all but FSHA) are fitted once per label
-and public setting and replayed on every run of it. With `--archive DIR` each point's results
-are also copied into DIR as they are made, and a new machine restores from DIR what it lacks
-(sims/archive.py).
+results were made with, keyed by label) and `sweep.json` (each start's points and provenance:
+commit, seeds, models' weights, machine and its load); a label's result is
+`runs/<point>/attacks/<LABEL>.json` (its "attack" field the label, details.base_attack the
+registered attack) and `<LABEL>.safetensors`. A failed run or attack is recorded with its
+reason and the sweep goes on; running the same command again skips finished runs and attack
+results, resumes an interrupted run and retries failures. A start is refused while the working
+tree's code differs from its commit (the error names the changed paths) unless `--allow-dirty`,
+which marks the start dirty. Attacks whose fit reads only public data (all but FSHA) are fitted
+once per label and public setting and replayed on every run of it. With `--archive DIR` each
+point's results are also copied into DIR as they are made, and a new machine restores from DIR
+what it lacks (sims/archive.py).
 """
 
 import argparse
@@ -65,6 +70,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from analysis.provenance import DirtyTree, of_runs, provenance
 from attacks.base import Attack, AttackOptionError, attack_class, available_attacks, checked_options
 from attacks.context import ATTACK_FOLDER
 from attacks.replay import fit_for_run, public_setting, replay
@@ -78,13 +84,14 @@ from sims.inprocess import run_in_process
 from sims.launch import LocalSuperLink, app_config, launch
 from sims.privacy_cli import PositionlessPrepare, prepare_positionless
 from sims.usage import UsageError
-from sims.provenance import provenance
 from strategies.callbacks import changed_since_written, is_stale, write_json_atomically, written_differences
 
 RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "positionless", "grid", "attacks")
 EDGE_ARTIFACT = "privacy.positionless.artifact"
-SWEEP_KEYS = ("sim", "runner")
+SWEEP_KEYS = ("sim", "runner", "seeds")
+# What a sweep's seeds axis sets for each seed: every seed a run draws from.
+SEED_KEYS = ("model.seed", "data.seed", "privacy.seed")
 GRID_KEYS = ("name", "fixed", "product", "zip")
 ATTACK_KEYS = ("attack", "options", "where")
 # A label names files in the run's attacks folder.
@@ -228,6 +235,19 @@ def _axes(part: str, grid: Mapping[str, Any]) -> list[list[tuple[dict[str, Any],
     return axes
 
 
+def _seeds(value: Any) -> list[int]:
+    """sweep.seeds: distinct non-negative integers (none: each point runs once, at its config's seeds)."""
+    if value is None:
+        return []
+    allowed = "a list of distinct non-negative integers, e.g. [0, 1, 2]"
+    if not isinstance(value, list) or not value or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                             for s in value):
+        raise SweepError(f"sweep.seeds: {value!r}; allowed: {allowed}")
+    if len(set(value)) != len(value):
+        raise SweepError(f"sweep.seeds: {value!r} repeats a seed; allowed: {allowed}")
+    return list(value)
+
+
 def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPlan]:
     plans = []
     for name, spec in _table("attacks", raw).items():
@@ -289,6 +309,7 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
         except UsageError as error:
             raise SweepError(f"positionless.{label}: {error}") from None
     waiting = _artifact_folders(folder, edges)
+    seeds = _seeds(head.get("seeds"))
     fixed = _table("fixed", raw.get("fixed"))
     grids = raw.get("grid")
     if not grids:
@@ -301,11 +322,18 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
         part = str(grid.get("name", f"part{index}"))
         _unknown(f"grid {part!r}", grid, GRID_KEYS)
         part_fixed = _table(f"grid {part!r}: fixed", grid.get("fixed"))
-        for combination in itertools.product(*_axes(part, grid)):
+        for combination, seed in itertools.product(itertools.product(*_axes(part, grid)), seeds or [None]):
             varied = {k: v for overrides, _ in combination for k, v in overrides.items()}
-            name = "-".join([_slug(part), *(fragment for _, fragment in combination)])
-            overrides = {**fixed, **part_fixed, **varied,
-                         "output.root": str(folder / "runs"), "output.name": name}
+            name = "-".join([_slug(part), *(fragment for _, fragment in combination),
+                             *([] if seed is None else [f"s{seed}"])])
+            overrides = {**fixed, **part_fixed, **varied}
+            if seed is not None:
+                fixing = sorted(set(overrides) & set(SEED_KEYS))
+                if fixing:
+                    raise SweepError(f"grid {part!r}: {fixing} set while sweep.seeds sets every seed of a run; "
+                                     "drop one of them")
+                overrides.update(dict.fromkeys(SEED_KEYS, seed))
+            overrides.update({"output.root": str(folder / "runs"), "output.name": name})
             if dtp is not None and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
                 overrides.setdefault("pruning.artifacts", str(folder / "dtp"))
             if overrides.get(EDGE_ARTIFACT) in edges:
@@ -433,14 +461,21 @@ def _run_point(sweep: Sweep, point: Point) -> dict[str, Any]:
     return status
 
 
-def _stamp(sweep: Sweep) -> None:
+def _provenance(sweep: Sweep, allow_dirty: bool) -> dict[str, Any]:
+    """The start's provenance: the commit its runs are made with, their seeds and models' weights;
+    a tree whose code is not its commit's raises DirtyTree unless `allow_dirty`."""
+    return provenance(allow_dirty=allow_dirty, **of_runs({**p.config.to_flat(), **p.overrides} for p in sweep.points))
+
+
+def _stamp(sweep: Sweep, measured_on: Mapping[str, Any]) -> None:
     """<sweep folder>/sweep.json: the file and sim, and per start its runner, the points it was
-    given and its provenance (the commit its runs were made with)."""
+    given and its provenance (a dirty start's marked, which the results rendered from the folder
+    carry: benchmarks/sweep_results.py)."""
     path = sweep.folder / SWEEP_STAMP
     starts = json.loads(path.read_text()).get("starts", []) if path.exists() else []
     sweep.folder.mkdir(parents=True, exist_ok=True)
     # The folder and the second tell apart starts that an archive merges from several machines.
-    start = {**provenance(), "runner": sweep.runner, "points": [p.name for p in sweep.points],
+    start = {**measured_on, "runner": sweep.runner, "points": [p.name for p in sweep.points],
              "folder": str(sweep.folder), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json_atomically(path, {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]})
 
@@ -509,12 +544,16 @@ def _save(sweep: Sweep, point: Point, record: dict[str, Any]) -> None:
         A.archive_point(sweep.folder, point.name, sweep.archive)
 
 
-def run_sweep(sweep: Sweep, *, progress: bool = True, log: Callable[[str], None] = print) -> dict[str, str]:
-    """Run every point and replay its attacks; returns each point's final state."""
+def run_sweep(
+    sweep: Sweep, *, allow_dirty: bool = False, progress: bool = True, log: Callable[[str], None] = print
+) -> dict[str, str]:
+    """Run every point and replay its attacks; returns each point's final state. A working tree whose
+    code is not its commit's raises DirtyTree before anything is written, unless `allow_dirty`."""
+    measured_on = _provenance(sweep, allow_dirty)
     restored = restore_archived(sweep, log)
     if restored:
         log(f"restored {len(restored)} point(s) from {sweep.archive}")
-    _stamp(sweep)
+    _stamp(sweep, measured_on)
     _prepare_artifacts(sweep, log)
     # One local SuperLink serves every point's `flwr run`; the sweep stops it when it ends.
     with LocalSuperLink() if sweep.runner == "flwr" else nullcontext() as superlink:
@@ -655,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--runner", choices=RUNNERS,
                                  help="flwr: each run through `flwr run` (default); inprocess: the same apps in this process")
             command.add_argument("--no-progress", action="store_true", help="no progress bar")
+            command.add_argument("--allow-dirty", action="store_true",
+                                 help="run although the working tree's code differs from its commit; the sweep "
+                                      "folder's start and every table rendered from it are marked as not "
+                                      "reproducible from the commit")
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.file, runner=getattr(args, "runner", None), out=args.out)
@@ -673,7 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     sweep.archive = args.archive
     print(f"sweep folder: {sweep.folder} ({len(sweep.points)} points, runner {sweep.runner})"
           + (f", archived in {sweep.archive}" if sweep.archive else ""))
-    states = run_sweep(sweep, progress=not args.no_progress)
+    try:
+        states = run_sweep(sweep, allow_dirty=args.allow_dirty, progress=not args.no_progress)
+    except DirtyTree as error:
+        print(f"qpriv-sweep: {error}", file=sys.stderr)
+        return 2
     failed = {name: state for name, state in states.items() if state != "finished"}
     print(f"{len(states) - len(failed)} of {len(states)} points finished" +
           (f"; not: {', '.join(f'{n} ({s})' for n, s in failed.items())}" if failed else ""))

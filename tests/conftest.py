@@ -1,9 +1,28 @@
 """Fixtures shared by every test folder."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from analysis import provenance
 from sims import loopback
+
+
+@pytest.fixture(autouse=True, scope="session")
+def tree_counts_as_clean():
+    """The tests run in a working tree under edit, where every sweep and benchmark they start would be
+    refused as dirty: this repository's tree counts as clean for the session (module fixtures that
+    run a sweep included); any other repository is judged as it is, which
+    tests/analysis/test_provenance.py checks on repositories of its own."""
+    real = provenance.changed_paths
+
+    def changed_paths(repository=provenance.REPOSITORY):
+        return [] if Path(repository).resolve() == provenance.REPOSITORY.resolve() else real(repository)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(provenance, "changed_paths", changed_paths)
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -117,3 +136,13 @@ def run_config(tmp_path):
 def stop_processes_naming():
     """sims.loopback.stop_processes_naming, for tests that start servers outside the test process."""
     return loopback.stop_processes_naming
+
+
+# Files whose tests mostly wait (for Flower's heartbeats, message timeouts, Ray and SuperLink starts):
+# collected first, so that under pytest-xdist's --dist loadfile they start at once and their waits
+# overlap the other workers' computing instead of forming the suite's tail.
+WAITING_MARKERS = ("deployment", "flwr_run")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in WAITING_MARKERS))

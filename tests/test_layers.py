@@ -21,7 +21,7 @@ LAYERS = (
     ("training",),
     ("attacks",),
     ("clients", "strategies"),
-    ("sims",),
+    ("sims", "analysis"),
 )
 FLOOR = {package: floor for floor, packages in enumerate(LAYERS) for package in packages}
 

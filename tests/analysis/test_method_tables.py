@@ -4,7 +4,9 @@ attack's kind and headline metrics, a policy's budget, one colour per method."""
 import sys
 from pathlib import Path
 
-from sims import results as R
+from analysis import figures, runs, tables
+from analysis.claims import vision_edge
+from attacks.base import ATTACKS
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
@@ -16,36 +18,38 @@ def run_config(**values) -> dict:
 
 
 def test_a_single_defense_run_lies_on_its_strength_option():
-    assert R.defense_series(run_config(defenses="noise", noise__variance=0.1)) == ("noise", 0.1)
-    assert R.defense_series(run_config(defenses="tome", tome__r=4)) == ("tome", 4.0)
+    assert runs.defense_series(run_config(defenses="noise", noise__variance=0.1)) == ("noise", 0.1)
+    assert runs.defense_series(run_config(defenses="tome", tome__r=4)) == ("tome", 4.0)
     # PriPert's dial is the variant's: sparsity for l0, budget for l2.
-    assert R.defense_series(run_config(defenses="pripert", pripert__sparsity=0.3)) == ("pripert", 0.3)
-    assert R.defense_series(run_config(defenses="pripert", pripert__variant="l2", pripert__budget=0.2)) == (
+    assert runs.defense_series(run_config(defenses="pripert", pripert__sparsity=0.3)) == ("pripert", 0.3)
+    assert runs.defense_series(run_config(defenses="pripert", pripert__variant="l2", pripert__budget=0.2)) == (
         "pripert(variant=l2)", 0.2)
     # A defense without a dial, or two defenses, is a setting of its own.
-    assert R.defense_series(run_config(defenses="shuffle")) == ("shuffle", None)
-    assert R.defense_series(run_config(defenses="noise,sparsify", noise__variance=0.01, sparsify__ratio=0.5)) == (
+    assert runs.defense_series(run_config(defenses="shuffle")) == ("shuffle", None)
+    assert runs.defense_series(run_config(defenses="noise,sparsify", noise__variance=0.01, sparsify__ratio=0.5)) == (
         "noise(variance=0.01)+sparsify(ratio=0.5)", None)
 
 
 def test_a_policy_with_a_budget_is_labelled_with_it():
-    assert R.policy_label({"pruning.policy": "fixed", "pruning.ratio": 0.5}) == "fixed-0.5"
-    assert R.policy_label({"pruning.policy": "dtp", "pruning.ratio": 0.0}) == "dtp"
-    assert R.policy_label({}) == "off"
+    assert runs.policy_label({"pruning.policy": "fixed", "pruning.ratio": 0.5}) == "fixed-0.5"
+    assert runs.policy_label({"pruning.policy": "dtp", "pruning.ratio": 0.0}) == "dtp"
+    assert runs.policy_label({}) == "off"
 
 
 def test_attack_groups_and_colours_come_from_the_registry():
-    assert {"fora", "fsha", "sara"} <= set(R.IMAGE_ATTACKS) and {"fora", "sara"} <= set(R.EDGE_ATTACKS)
-    assert "fsha" not in R.EDGE_ATTACKS and {"mia", "mia_loss", "mtv_mia"} <= set(R.MEMBERSHIP_ATTACKS)
-    assert {"drop", "positionless", "shuffle", "tome"} <= set(R.EDGE_DEFENSES) and "noise" not in R.EDGE_DEFENSES
-    assert list(R.ATTACK_COLORS) == R.ATTACKS.names()
-    assert len(set(R.ATTACK_COLORS.values())) == len(R.ATTACK_COLORS)
-    assert list(R.PARADIGM_COLORS) == ["cl", "fl", "sl", "usl"]
+    assert {"fora", "fsha", "sara"} <= set(tables.IMAGE_ATTACKS) and {"fora", "sara"} <= set(vision_edge.EDGE_ATTACKS)
+    assert "fsha" not in vision_edge.EDGE_ATTACKS and {"mia", "mia_loss", "mtv_mia"} <= set(tables.MEMBERSHIP_ATTACKS)
+    assert {"drop", "positionless", "shuffle", "tome"} <= set(tables.EDGE_DEFENSES) and "noise" not in tables.EDGE_DEFENSES
+    assert list(figures.ATTACK_COLORS) == ATTACKS.names()
+    assert len(set(figures.ATTACK_COLORS.values())) == len(figures.ATTACK_COLORS)
+    # Every defense has a colour of its own, so small multiples never repeat one.
+    assert len(set(figures.DEFENSE_COLORS.values())) == len(figures.DEFENSE_COLORS)
+    assert list(figures.PARADIGM_COLORS) == ["cl", "fl", "sl", "usl"]
 
 
 def test_a_label_names_the_attack_it_replays():
     labels = ("fora", "fora_adaptive", "mia_loss", "mia_loss_canaries", "mean_image")
-    assert [R.label_attack(label) for label in labels] == ["fora", "fora", "mia_loss", "mia_loss", None]
+    assert [tables.label_attack(label) for label in labels] == ["fora", "fora", "mia_loss", "mia_loss", None]
 
 
 def test_the_vision_edge_table_has_a_column_per_image_attack_label():

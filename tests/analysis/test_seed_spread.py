@@ -3,17 +3,17 @@
 import pandas as pd
 import pytest
 
-from sims import results as R
+from analysis import runs, tables
 
 
 def run(name: str, accuracy: float, seed: int, threat: str = "passive", setting: str = "none") -> dict:
     return {"run": name, "sweep": "vision-edge", "paradigm": "usl", "profile": "mini-positional", "policy": "off",
             "defense_setting": setting, "threat": threat, "state": "finished", "test_accuracy": accuracy,
-            "model_seed": seed}
+            "seed": seed}
 
 
 def spread(rows: list[dict]) -> pd.DataFrame:
-    return R.seed_spread(R.Results(pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame(), pd.DataFrame()))
+    return tables.seed_spread(runs.Results(pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), pd.DataFrame()))
 
 
 def test_a_setting_run_at_several_seeds_by_watching_servers_reports_each_accuracy_and_their_spread():

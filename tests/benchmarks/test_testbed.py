@@ -243,7 +243,8 @@ def test_it_measures_on_tiny_saves_each_part_and_keeps_finished_parts_on_a_rerun
     assert set(probes["rows"]) == {"a_mark_patches", "b_outside_mean", "b_outside_nearest", "c_cut_visual_mean",
                                    "c_cut_visual_nearest", "c_cut_text_mean", "control_cut_mark_unpruned"}
     assert results["model"]["weights_digest"] == "random weights (seed 0)"
-    assert results["provenance"]["tree"]["dirty"] in (True, False)
+    assert results["provenance"]["dirty"] is False and results["provenance"]["seeds"] == {"seed": 0}
+    assert results["provenance"]["models"] == {"tiny": "tiny: random weights (model.seed)"}
     assert testbed.render_report(results, tmp_path).read_bytes() == (tmp_path / "testbed.md").read_bytes()
     capsys.readouterr()
     testbed.main([*arguments, "--parts", "accuracy"])

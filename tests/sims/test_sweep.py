@@ -13,7 +13,8 @@ from nbclient import NotebookClient
 
 from attacks.metrics import puri
 from sims import archive as A
-from sims import results as R
+from analysis import tables as T
+from analysis.runs import NO_DEFENSE, load_results
 from sims.sweep import SweepError, attack_done, load_sweep, read_record, restore_archived, run_sweep, status_rows
 from sims.sweep import main as sweep_main
 
@@ -70,6 +71,31 @@ label = ["off", "half"]
     assert (half.config.pruning.policy, half.config.pruning.ratio, half.config.threat.model) == ("fixed", 0.5, "passive")
     assert half.folder == tmp_path / "out" / "runs" / "grid-sl-0.001-half"
     assert half.config.model.profile == "tiny"  # the file's fixed keys over the app's defaults
+
+
+def test_a_seeds_axis_runs_every_point_at_each_seed_with_every_seed_of_the_run_set(tmp_path):
+    body = "\n[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"usl\"] }\n"
+    sweep = load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out")
+    assert len(sweep.points) == 2
+    seeded = sweep_file(tmp_path, body, name="seeded.toml")
+    seeded.write_text(seeded.read_text().replace('runner = "inprocess"', 'runner = "inprocess"\nseeds = [0, 1, 2]'))
+    sweep = load_sweep(seeded, out=tmp_path / "out-seeded")
+    assert [p.name for p in sweep.points] == ["g-sl-s0", "g-sl-s1", "g-sl-s2", "g-usl-s0", "g-usl-s1", "g-usl-s2"]
+    last = sweep.points[-1].config
+    assert (last.model.seed, last.data.seed, last.privacy.seed) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("seeds, expected", [("[0, 0]", "repeats a seed"), ("[-1]", "non-negative integers"),
+                                             ("3", "a list of distinct")])
+def test_a_bad_seeds_axis_is_refused_naming_what_is_allowed(tmp_path, seeds, expected):
+    path = sweep_file(tmp_path, "\n[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n")
+    path.write_text(path.read_text().replace('runner = "inprocess"', f'runner = "inprocess"\nseeds = {seeds}'))
+    with pytest.raises(SweepError, match=f"sweep.seeds: .*{expected}"):
+        load_sweep(path, out=tmp_path / "out")
+    path.write_text(path.read_text().replace(f"seeds = {seeds}", "seeds = [0, 1]").replace(
+        'product = { paradigm = ["sl"] }', 'product = { "model.seed" = [3] }'))
+    with pytest.raises(SweepError, match=r"\['model.seed'\] set while sweep.seeds"):
+        load_sweep(path, out=tmp_path / "out")
 
 
 def test_a_yaml_sweep_file_gives_the_same_points_as_its_toml(tmp_path):
@@ -189,23 +215,23 @@ def test_defended_runs_and_labelled_results_load_as_their_own_rows(tmp_path):
 
     run_folder("plain", "", [("fora", "fora", 20.0)])
     run_folder("sparse", "sparsify,noise", [("fora", "fora", 15.0), ("fora_adaptive", "fora", 18.0)])
-    loaded = R.load_results(tmp_path)
+    loaded = load_results(tmp_path)
     runs = loaded.runs.set_index("run")
-    assert runs.loc["sparse", "defenses"] == "sparsify+noise" and runs.loc["plain", "defenses"] == R.NO_DEFENSE
+    assert runs.loc["sparse", "defenses"] == "sparsify+noise" and runs.loc["plain", "defenses"] == NO_DEFENSE
     # Each defense's strength, and its other options where they differ from the defaults.
     assert runs.loc["sparse", "defense_setting"] == "sparsify(ratio=0.7)+noise(variance=0.1)"
     run_folder("noisy", "noise", [("fora", "fora", 17.0)])
-    noisy = R.load_results(tmp_path).runs.set_index("run").loc["noisy"]
+    noisy = load_results(tmp_path).runs.set_index("run").loc["noisy"]
     # A single defense's series leaves its strength out: the frontier's x.
     assert (noisy["defense_series"], noisy["defense_strength"]) == ("noise", 0.1)
     shutil.rmtree(tmp_path / "runs" / "noisy")
     assert sorted(loaded.attacks["attack"]) == ["fora", "fora", "fora_adaptive"]
-    frontier = R.defense_frontier(loaded, "fora_adaptive")
+    frontier = T.defense_frontier(loaded, "fora_adaptive")
     assert list(frontier["run"]) == ["sparse"] and list(frontier["psnr"]) == [18.0]
-    assert set(R.defense_frontier(loaded, "fora")["defenses"]) == {R.NO_DEFENSE, "sparsify+noise"}
-    table = R.defense_table(loaded).set_index("defenses")
+    assert set(T.defense_frontier(loaded, "fora")["defenses"]) == {NO_DEFENSE, "sparsify+noise"}
+    table = T.defense_table(loaded).set_index("defenses")
     assert table.loc["sparsify+noise", ["fora_psnr", "fora_adaptive_psnr"]].tolist() == [15.0, 18.0]
-    assert list(R.attack_table(loaded)["fora_psnr"]) == [20.0]  # undefended runs only
+    assert list(T.attack_table(loaded)["fora_psnr"]) == [20.0]  # undefended runs only
 
 
 def test_the_loader_lists_a_run_folder_missing_or_tearing_a_file_as_incomplete(tmp_path):
@@ -214,7 +240,7 @@ def test_the_loader_lists_a_run_folder_missing_or_tearing_a_file_as_incomplete(t
         (tmp_path / name / "config.json").write_text(json.dumps({"config": {"paradigm": "sl"}, "fingerprint": "x"}))
     (tmp_path / "torn-metrics" / "status.json").write_text(json.dumps({"state": "running"}))
     (tmp_path / "torn-metrics" / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2, "test_acc')
-    loaded = R.load_results(tmp_path)
+    loaded = load_results(tmp_path)
     assert loaded.runs.empty
     reasons = dict(zip(loaded.incomplete["run"], loaded.incomplete["reason"]))
     assert reasons == {"no-status": "no status.json", "torn-metrics": "metrics.jsonl line 2 is torn"}
@@ -232,7 +258,7 @@ def smoke(tmp_path_factory):
 def test_the_smoke_sweep_finishes_every_point_and_replays_every_attack_that_applies(smoke):
     sweep, exit_code = smoke
     assert exit_code == 0
-    loaded = R.load_results(sweep.folder)
+    loaded = load_results(sweep.folder)
     assert loaded.incomplete.empty and len(loaded.runs) == len(sweep.points)
     assert set(loaded.finished()["paradigm"]) == {"cl", "fl", "sl", "usl", "mtv"}
     attacks = loaded.attacks
@@ -302,13 +328,13 @@ def test_a_labelled_replay_lands_beside_the_plain_one_under_its_label(smoke, tmp
         record = json.loads(sweep.point_record(point).read_text())["attacks"]["actinv_masked"]
         assert (record["state"], record["attack"]) == ("finished", "actinv")
     assert not any((p.folder / "attacks" / "actinv_masked.json").exists() for p in sweep.points if p not in passive)
-    loaded = R.load_results(sweep.folder)
+    loaded = load_results(sweep.folder)
     rows = loaded.attacks[loaded.attacks["attack"] == "actinv_masked"]
     assert len(rows) == len(passive) and set(rows["base_attack"]) == {"actinv"}
-    table = R.attack_table(loaded)
+    table = T.attack_table(loaded)
     assert {"actinv_token_recall", "actinv_masked_token_recall"} <= set(table.columns)
-    assert len(R.defense_frontier(loaded, "actinv_masked", "token_recall")) == len(passive)
-    assert {"actinv_token_recall", "actinv_masked_token_recall"} <= set(R.defense_table(loaded).columns)
+    assert len(T.defense_frontier(loaded, "actinv_masked", "token_recall")) == len(passive)
+    assert {"actinv_token_recall", "actinv_masked_token_recall"} <= set(T.defense_table(loaded).columns)
     # The label's record holds what it replayed: another attack under the same label is refused.
     (tmp_path / "other.toml").write_text(SMOKE.read_text() + LABELLED.replace('attack = "actinv"', 'attack = "mia"')
                                          .replace("options = { iterations = 5, max_transfers = 1, refine_candidates = 0, "
@@ -331,21 +357,22 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
                and "show(figure)" in (line.strip() for line in cell.source.splitlines())]
     drawn = [cell for cell in figures if any("image/png" in output.get("data", {}) for output in cell.outputs)]
     assert len(drawn) >= 7, [cell.source[:80] for cell in figures if cell not in drawn]
-    claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.claims" in c.source)
-    assert "holds" in json.dumps(claims.outputs)
+    # The smoke sweep runs each point once: every claim is judged not testable, saying why.
+    claims = next(c for c in notebook.cells if c.cell_type == "code" and "qpriv_vl.claims" in c.source)
+    assert "not testable" in json.dumps(claims.outputs) and "holds" not in json.dumps(claims.outputs)
     # The smoke sweep's defended runs: the frontier is drawn, the defense claims are checked.
-    frontier = next(c for c in notebook.cells if c.cell_type == "code" and "R.defense_frontier" in c.source)
+    frontier = next(c for c in notebook.cells if c.cell_type == "code" and "T.defense_frontier" in c.source)
     assert any("image/png" in output.get("data", {}) for output in frontier.outputs)
-    defense_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.defense_claims" in c.source)
+    defense_claims = next(c for c in notebook.cells if c.cell_type == "code" and "activation_inversion.claims" in c.source)
     assert "masked-cosine ActInv" in json.dumps(defense_claims.outputs)
     # The vision edge: SARA's placement against accuracy drawn, PURI tabled for the ToMe point.
-    edge = next(c for c in notebook.cells if c.cell_type == "code" and "R.puri_table" in c.source)
+    edge = next(c for c in notebook.cells if c.cell_type == "code" and "T.puri_table" in c.source)
     assert any("image/png" in output.get("data", {}) for output in edge.outputs)
     assert "tome(r=4)" in json.dumps(edge.outputs)
-    edge_claims = next(c for c in notebook.cells if c.cell_type == "code" and "R.edge_claims" in c.source)
+    edge_claims = next(c for c in notebook.cells if c.cell_type == "code" and "vision_edge.claims" in c.source)
     assert "token shuffling defeats a decoder" in json.dumps(edge_claims.outputs)
     # Task vectors: the smoke sweep's two releases drawn against ε, seed 003's claims checked, the audit tabled.
-    mtv = next(c for c in notebook.cells if c.cell_type == "code" and "R.mtv_claims" in c.source)
+    mtv = next(c for c in notebook.cells if c.cell_type == "code" and "dp_mtv.claims" in c.source)
     assert any("image/png" in output.get("data", {}) for output in mtv.outputs)
     assert "most of MTV's gain" in json.dumps(mtv.outputs) and "audit_auc" in json.dumps(mtv.outputs)
 
@@ -400,19 +427,19 @@ name = "g"
 
 def test_puri_reads_each_defended_image_attack_against_its_undefended_run(smoke):
     sweep, _ = smoke
-    loaded = R.load_results(sweep.folder)
-    table = R.puri_table(loaded)
+    loaded = load_results(sweep.folder)
+    table = T.puri_table(loaded)
     edge = table[table["defense_setting"] == "tome(r=4)"]
     assert list(edge["attack"]) == ["sara_adaptive"]
     row = edge.iloc[0]
     # The reference is the undefended USL run of the same policy, attacked by the base attack (SARA).
     attacks = loaded.attacks
-    base = attacks[(attacks["attack"] == "sara") & (attacks["defenses"] == R.NO_DEFENSE) & (attacks["policy"] == "off")
+    base = attacks[(attacks["attack"] == "sara") & (attacks["defenses"] == NO_DEFENSE) & (attacks["policy"] == "off")
                    & (attacks["paradigm"] == "usl")].iloc[0]
     expected = puri(row["test_accuracy"], base["test_accuracy"], {m: row[m] for m in ("ssim", "psnr", "fsim")},
                     {m: base[m] for m in ("ssim", "psnr", "fsim")})
     assert row["puri"] == pytest.approx(expected) and 0 <= row["puri"] <= 1
-    best = R.best_by_puri(table)
+    best = T.best_by_puri(table)
     assert len(best) == len(best[["paradigm", "policy", "attack", "defense_series"]].drop_duplicates())
 
 
@@ -428,10 +455,10 @@ def test_an_archived_sweep_goes_on_on_a_new_machine_from_its_archive(smoke, tmp_
     assert not list(archive.rglob("checkpoints")) and not list(archive.rglob("recording"))
     assert all(p.stat().st_size <= A.MAX_OUTPUT_BYTES for p in archive.rglob("*.safetensors"))
     # The archive reads as the sweep folder does: the same tables.
-    here, there = R.load_results(sweep.folder), R.load_results(archive)
+    here, there = load_results(sweep.folder), load_results(archive)
     assert there.incomplete.empty and len(there.runs) == len(sweep.points)
     columns = ["paradigm", "defense_setting", "test_accuracy", "fora_psnr", "actinv_token_recall"]
-    pd.testing.assert_frame_equal(R.defense_table(here)[columns], R.defense_table(there)[columns])
+    pd.testing.assert_frame_equal(T.defense_table(here)[columns], T.defense_table(there)[columns])
 
     # A new machine (another sweep folder) restores every point and runs, fits and prepares nothing.
     def untouchable(*args, **kwargs):
@@ -450,7 +477,7 @@ def test_an_archived_sweep_goes_on_on_a_new_machine_from_its_archive(smoke, tmp_
     starts = json.loads((fresh.folder / "sweep.json").read_text())["starts"]
     assert starts == json.loads((archive / "sweep.json").read_text())["starts"]
     assert starts[:-1] == json.loads((sweep.folder / "sweep.json").read_text())["starts"]
-    assert R.load_results(fresh.folder).runs["test_accuracy"].tolist() == here.runs["test_accuracy"].tolist()
+    assert load_results(fresh.folder).runs["test_accuracy"].tolist() == here.runs["test_accuracy"].tolist()
 
     # Not restored: a point the archive holds in part (an attack missing), and one archived with
     # other settings than the file's now (it runs again, saying why).
