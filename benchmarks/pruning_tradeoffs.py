@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from transformers import CLIPTextModel, Dinov2Model
 
 from analysis.claims.qpriv_vl import MATCH_POINTS, PAPER_EXCLUSION_RATIO
-from analysis.stats import ABOVE, Outcomes, Rule, compare
+from analysis.stats import ABOVE, MIN_SEEDS, Outcomes, Rule, Verdict, compare
 from pruning import (
     DTP_FILE,
     ORACLE_FILE,
@@ -656,6 +656,12 @@ def dtp_section(results: dict[str, Any]) -> str:
     ]
     for label, claim in results["claims"]["dtp_vs_fixed_at_similar_budget"].items():
         interval, kept = claim["dtp_minus_matched_fixed"], rows[label]["kept_tokens"]
+        if "n" not in interval:
+            # Measured before verdicts were paired: the same single model, judged as analysis.stats judges it.
+            interval = {**interval, "n": f"1 seed × {results['setup']['questions']:,} questions"}
+            claim = {**claim, "verdict_reason": f"one model: a verdict needs at least {MIN_SEEDS} seeds (measured "
+                                                f"before paired verdicts, then read as: {claim['verdict_vs_matched_fixed']})",
+                     "verdict_vs_matched_fixed": str(Verdict.NOT_TESTABLE)}
         lines.append(
             f"- {label} keeps {kept['mean']:.1f} tokens ({kept['min']:.0f}–{kept['max']:.0f}, sd {kept['std']:.1f}) "
             f"at {percent(claim['dtp_accuracy'])}; fixed ρ = {claim['matched_fixed_ratio']:.3f} at that budget "
