@@ -163,7 +163,8 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
                   "ActInv: question-token recall; iDLG: answer accuracy; MIA: attack success.", "", markdown_table(
             ["paradigm", "server", "policy", "kept tokens", "FORA dB", "FSHA dB", "SARA dB", "mark FORA / FSHA", "ActInv recall",
              "iDLG acc.", "MIA success"],
-            [[r["paradigm"].upper(), r["threat"], r["policy"], _f(r.get("kept_tokens_mean"), ".1f"),
+            # Rows measured before honest and hijacked runs were split carry no server.
+            [[r["paradigm"].upper(), r.get("threat", "not split"), r["policy"], _f(r.get("kept_tokens_mean"), ".1f"),
               _f(r.get("fora_psnr"), ".1f"),
               _f(r.get("fsha_psnr"), ".1f"), _f(r.get("sara_psnr"), ".1f"),
               f"{_f(r.get('fora_mark_readback'), '.2f')} / {_f(r.get('fsha_mark_readback'), '.2f')}",
@@ -190,7 +191,7 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
                   "network trains on defended rows). ActInv: question-token recall; image attacks: PSNR in dB; "
                   "iDLG: answer accuracy from USL's gradient at CB.", "", markdown_table(
             ["paradigm", "server", "defense", "test acc.", *(title for _, title in shown)],
-            [[r["paradigm"].upper(), r["threat"], r["defense_setting"], percent(r["test_accuracy"]),
+            [[r["paradigm"].upper(), r.get("threat", "not split"), r["defense_setting"], percent(r["test_accuracy"]),
               *(_f(r.get(key), ".2f" if "psnr" not in key else ".1f") for key, _ in shown)]
              for r in tables["defenses"]])]
         for paradigm, rows in tables["defense_claims"].items():
@@ -282,7 +283,8 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
              "scores highest; iDLG acc. (CB): each sample's answer read from USL's gradient at CB. Membership: on the "
              "canaries; audit ε: the canary audit's lower bound at 95%.", "",
              markdown_table(["paradigm", "server", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
-                            [[r["paradigm"].upper(), r["threat"], r["policy"], r["privacy_setting"], percent(r["test_accuracy"]),
+                            [[r["paradigm"].upper(), r.get("threat", "not split"), r["policy"], r["privacy_setting"],
+                              percent(r["test_accuracy"]),
                               _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown)]
                              for r in rows])]
     violations = tables["audit_violations"]
