@@ -10,9 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from analysis.claims.base import best_of_labels, row, run_outcomes, strength, table
+from analysis.claims.base import best_of_labels, one_sweep, row, run_outcomes, strength, table
 from analysis.runs import NO_DEFENSE, Results
 from analysis.stats import ABOVE, BELOW, Floor, Outcomes, Rule, compare, not_testable
+from analysis.tables import EDGE_DEFENSES
 from config import threats
 
 ACTINV_LABELS = ("actinv", "actinv_masked")
@@ -36,14 +37,16 @@ def _pripert_series(attacks: pd.DataFrame, steps: int | None = None) -> str | No
     return wanted[0] if wanted else None
 
 
-def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
+def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) -> pd.DataFrame:
+    """Seed 001's claims on `paradigm`'s unpruned runs of one sweep of defenses at the cut (`sweep`,
+    default the one with the most such defended runs), its undefended runs the references."""
     rows: list[dict[str, Any]] = []
     attacks = results.attacks
     if not attacks.empty and "defense_series" in attacks:
         attacks = attacks[(attacks["paradigm"] == paradigm) & (attacks["threat"] == threats.PASSIVE.name)
                           & (attacks["policy"] == "off")]
-        # Undefended references from the sweeps that ran defenses (same data, steps and attack options).
-        attacks = attacks[attacks["sweep"].isin(set(attacks[attacks["defenses"] != NO_DEFENSE]["sweep"]))]
+        at_cut = attacks["defenses"].map(lambda d: d != NO_DEFENSE and not set(str(d).split("+")) & set(EDGE_DEFENSES))
+        (attacks,), sweep = one_sweep([attacks], attacks[at_cut], sweep)
     if attacks.empty or "defense_series" not in attacks:
         return table([row("defense claims (seed 001)", "—", not_testable(f"no {paradigm} defense runs with attack results"))])
     clean_recall = _actinv(attacks, NO_DEFENSE, None, "token_recall", "ActInv undefended")

@@ -62,6 +62,18 @@ def all_of(judgements: list[Judgement], reason: str) -> Judgement:
     return Judgement(Verdict.HOLDS, reason, judgements[0].estimate, judgements[0].rule, judgements[0].n)
 
 
+def one_sweep(frames: list[pd.DataFrame], chosen: pd.DataFrame, sweep: str | None) -> tuple[list[pd.DataFrame], str | None]:
+    """`frames` cut to one sweep: `sweep`, else the one with the most rows in `chosen` (the runs the
+    claims are about; none: the frames emptied). A claim compares runs of one sweep: another sweep's
+    runs of the same setting used other data, steps or attack options."""
+    if sweep is None and not chosen.empty and "sweep" in chosen:
+        sweep = str(chosen["sweep"].value_counts().idxmax())
+    if sweep is None:
+        # No run the claims are about: nothing to judge them on.
+        return [frame.iloc[:0] for frame in frames], None
+    return [frame[frame["sweep"] == sweep] if not frame.empty and "sweep" in frame else frame for frame in frames], sweep
+
+
 def best_of_labels(attacks: pd.DataFrame, labels: Iterable[str], metric: str) -> pd.DataFrame:
     """Per run, the largest `metric` any of `labels` reached on it (the attacker keeps the replay
     that recovered more: a choice per run, made the same way on every run), one row per run with its

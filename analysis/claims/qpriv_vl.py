@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.claims.base import NOTHING_DB, row, run_outcomes, table, accuracy_outcomes
+from analysis.claims.base import NOTHING_DB, accuracy_outcomes, one_sweep, row, run_outcomes, table
 from analysis.runs import NO_DEFENSE, Results
 from analysis.stats import ABOVE, BELOW, Floor, Outcomes, Rule, compare, estimate, floor_check, not_testable
 from analysis.tables import policy_comparisons
@@ -65,17 +65,20 @@ def _trend_gaps(attacks: pd.DataFrame, attack: str) -> tuple[Outcomes, Outcomes]
             Outcomes(f"{attack} on the pruned points", pd.DataFrame(gains, columns=["seed", "item", "score"])))
 
 
-def claims(results: Results, paradigm: str = "usl") -> pd.DataFrame:
-    """Each of QPriv-VL's checkable claims on `paradigm`'s undefended runs of the sweeps that vary the
-    pruning policy."""
+def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) -> pd.DataFrame:
+    """Each of QPriv-VL's checkable claims on `paradigm`'s undefended runs without a DP guarantee of
+    one sweep that varies the pruning policy (`sweep`, default the one with the most such runs)."""
     rows: list[dict[str, Any]] = []
     attacks = results.attacks
     if not attacks.empty:
-        attacks = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)])
+        attacks = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)
+                                             & (attacks.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)])
     runs = results.honest()
     if not runs.empty:
         runs = policy_comparisons(runs[(runs["paradigm"] == paradigm) & (runs["defenses"] == NO_DEFENSE)
-                                       & (runs["threat"] == PASSIVE)])
+                                       & (runs["threat"] == PASSIVE) & (runs.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)])
+    (attacks, runs, outcomes), sweep = one_sweep([attacks, runs, results.outcomes], runs, sweep)
+    results = Results(runs, results.rounds, attacks, outcomes, results.incomplete)
     mia = attacks[attacks["attack"] == "mia"] if not attacks.empty else attacks
     off_mia = run_outcomes(mia, "attack_success", "MIA on unpruned runs", policy="off")
     dtp_mia = run_outcomes(mia, "attack_success", "MIA on DTP runs", policy="dtp")

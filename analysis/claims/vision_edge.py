@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis.claims.base import NOTHING_DB, all_of, row, run_outcomes, table
+from analysis.claims.base import NOTHING_DB, all_of, one_sweep, row, run_outcomes, table
 from analysis.runs import Results
 from analysis.stats import ABOVE, BELOW, Floor, Outcomes, Rule, compare, estimate, not_testable
 from analysis.tables import EDGE_DEFENSES
@@ -60,9 +60,10 @@ def _near_chance(placement: Outcomes) -> Any:
     return estimate(placement, Rule(NEAR_CHANCE, BELOW, f"SARA's placement below {NEAR_CHANCE:g}× chance"))
 
 
-def claims(results: Results, paradigm: str = "usl", profile: str | None = None) -> pd.DataFrame:
-    """Seed 002's findings on `paradigm`'s runs of the edge sweep, on `profile` (default: the one most
-    edge-defended runs used)."""
+def claims(results: Results, paradigm: str = "usl", profile: str | None = None, sweep: str | None = None
+           ) -> pd.DataFrame:
+    """Seed 002's findings on `paradigm`'s runs of one edge sweep (`sweep`, default the one with the
+    most edge-defended runs), on `profile` (default: the one most edge-defended runs used)."""
     rows: list[dict[str, Any]] = []
     attacks = results.attacks
     if not attacks.empty:
@@ -70,7 +71,8 @@ def claims(results: Results, paradigm: str = "usl", profile: str | None = None) 
         defended = attacks[attacks["defenses"].map(lambda d: bool(set(str(d).split("+")) & set(EDGE_DEFENSES)))]
         if profile is None and not defended.empty:
             profile = str(defended["profile"].mode().iloc[0])
-        attacks = attacks[attacks["sweep"].isin(set(defended["sweep"])) & (attacks["profile"] == profile)]
+        attacks = attacks[attacks["profile"] == profile]
+        (attacks,), sweep = one_sweep([attacks], defended[defended["profile"] == profile], sweep)
     if attacks.empty or "baseline_psnr" not in attacks:
         return table([row("vision-edge claims (seed 002)", "—",
                           not_testable(f"no {paradigm} vision-edge runs with image attacks"))])
