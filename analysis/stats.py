@@ -28,13 +28,16 @@ reference's interval is not clear of the floor the attack had nothing to lose, a
 not testable there.
 """
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from sklearn.metrics import roc_auc_score
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -172,6 +175,36 @@ def bootstrap(per_seed: list[np.ndarray], resamples: int = RESAMPLES, level: flo
 
 def difference(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return second - first
+
+
+def wilson(successes: float, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """The Wilson score interval of a share (`successes` of `n`): where a share of one sample is
+    reported on its own (a target's accuracy, a probe's), not compared."""
+    if n == 0:
+        return (math.nan, math.nan)
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    p = successes / n
+    denominator = 1 + z**2 / n
+    centre = (p + z**2 / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z**2 / (4 * n * n)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def bootstrap_auroc(scores: np.ndarray, labels: np.ndarray, resamples: int = RESAMPLES, level: float = LEVEL,
+                    seed: int = 0) -> Estimate:
+    """The AUROC of `scores` against 0/1 `labels`, both [groups, ...] (an image's patches), pooled,
+    with a percentile bootstrap over the groups (patches of one image are not independent)."""
+    value = float(roc_auc_score(labels.reshape(-1), scores.reshape(-1)))
+    rng = np.random.default_rng(seed)
+    groups = scores.shape[0]
+    draws = []
+    for _ in range(resamples):
+        pick = rng.integers(groups, size=groups)
+        drawn = labels[pick].reshape(-1)
+        if drawn.min() != drawn.max():
+            draws.append(roc_auc_score(drawn, scores[pick].reshape(-1)))
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return Estimate(value, float(low), float(high), 1, groups, level)
 
 
 def paired_differences(first: Outcomes, second: Outcomes,

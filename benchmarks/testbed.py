@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import roc_auc_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from analysis.stats import bootstrap, bootstrap_auroc, wilson
 from report import (
     REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, write_json, write_markdown,
 )
@@ -59,8 +59,6 @@ PARTS = ("accuracy", "probes", "scorer", "memorisation")
 DEFAULT_PARTS = ("accuracy", "probes", "scorer")
 QUESTION_KINDS = ("location", "relation", "exist", "count", "unanswerable")
 RANDOM_KEEP_SHARE = 0.25
-BOOTSTRAP_RESAMPLES = 2000
-Z95 = 1.959963984540054
 DIGITS = 10
 NEAREST_OUTSIDE = 4
 MAX_NEW_TOKENS = 2
@@ -87,17 +85,6 @@ BASELINE_RULE = (
 # --- statistics -------------------------------------------------------------------------------
 
 
-def wilson(successes: float, n: int) -> tuple[float, float]:
-    """95% Wilson score interval of a share."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = successes / n
-    denominator = 1 + Z95**2 / n
-    centre = (p + Z95**2 / (2 * n)) / denominator
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
 def share(values: Sequence[float]) -> dict[str, Any]:
     """Mean of 0/1 scores with its Wilson interval and n."""
     n = len(values)
@@ -107,13 +94,10 @@ def share(values: Sequence[float]) -> dict[str, Any]:
 
 
 def paired_bootstrap(first: Sequence[float], second: Sequence[float], seed: int) -> dict[str, Any]:
-    """Mean of first − second over the same items, with a 95% percentile bootstrap interval."""
-    differences = np.asarray(first, dtype=float) - np.asarray(second, dtype=float)
-    n = len(differences)
-    rng = np.random.default_rng(seed)
-    means = differences[rng.integers(n, size=(BOOTSTRAP_RESAMPLES, n))].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return {"value": float(differences.mean()), "ci95": [float(low), float(high)], "n": n}
+    """Mean of first − second over the same items, with analysis.stats' percentile bootstrap (one
+    model: over the items only)."""
+    estimate = bootstrap([np.asarray(first, dtype=float) - np.asarray(second, dtype=float)], seed=seed)
+    return {"value": estimate.value, "ci95": [estimate.low, estimate.high], "n": estimate.items}
 
 
 def bootstrap_mean(values: Sequence[float], seed: int) -> dict[str, Any]:
@@ -192,18 +176,9 @@ def topk_recall(relevance: torch.Tensor, needed: Sequence[int]) -> float:
 
 def auroc_by_images(scores: np.ndarray, labels: np.ndarray, seed: int) -> dict[str, Any]:
     """Pooled per-patch AUROC [images, N] with a bootstrap over images."""
-    value = float(roc_auc_score(labels.reshape(-1), scores.reshape(-1)))
-    rng = np.random.default_rng(seed)
-    images = scores.shape[0]
-    draws = []
-    for _ in range(BOOTSTRAP_RESAMPLES):
-        pick = rng.integers(images, size=images)
-        y = labels[pick].reshape(-1)
-        if y.min() != y.max():
-            draws.append(roc_auc_score(y, scores[pick].reshape(-1)))
-    low, high = np.percentile(draws, [2.5, 97.5])
-    return {"value": value, "ci95": [float(low), float(high)], "n": images, "patches": int(labels.size),
-            "positive_patches": int(labels.sum())}
+    estimate = bootstrap_auroc(scores, labels, seed=seed)
+    return {"value": estimate.value, "ci95": [estimate.low, estimate.high], "n": estimate.items,
+            "patches": int(labels.size), "positive_patches": int(labels.sum())}
 
 
 # --- setup -----------------------------------------------------------------------------------------

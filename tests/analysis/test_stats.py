@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from analysis.stats import (ABOVE, BELOW, MIN_SEEDS, WITHIN, Floor, Rule, UnpairedError, Verdict, bootstrap, compare,
-                            estimate, outcomes, paired_differences)
+                            bootstrap_auroc, estimate, outcomes, paired_differences, wilson)
 
 
 def frame(settings: dict[str, list[list[float]]], seeds=None) -> pd.DataFrame:
@@ -124,3 +124,16 @@ def test_the_interval_widens_with_the_spread_between_seeds():
 def test_a_rule_names_its_allowed_directions():
     with pytest.raises(ValueError, match="Rule.direction is 'up'"):
         Rule(0.0, "up")
+
+
+def test_a_share_reported_alone_has_its_wilson_interval():
+    low, high = wilson(8, 10)
+    assert low == pytest.approx(0.4902, abs=1e-3) and high == pytest.approx(0.9433, abs=1e-3)
+    assert wilson(0, 10)[0] == 0.0 and np.isnan(wilson(0, 0)[0])
+
+
+def test_an_auroc_is_bootstrapped_over_its_groups():
+    scores = np.array([[0.9, 0.1, 0.2], [0.8, 0.3, 0.1], [0.4, 0.6, 0.2]])
+    labels = np.array([[1, 0, 0], [1, 0, 0], [1, 0, 0]])
+    auroc = bootstrap_auroc(scores, labels)
+    assert auroc.low <= auroc.value <= auroc.high and auroc.items == 3 and auroc.value < 1.0
