@@ -29,8 +29,8 @@ not testable there.
 """
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import Enum
 from statistics import NormalDist
 from typing import Any
@@ -43,10 +43,15 @@ RESAMPLES = 2000
 LEVEL = 0.95
 MIN_SEEDS = 3
 # Columns that pick one run of a setting, which a setting's outcomes never filter on.
-RUN_COLUMNS = frozenset({"seed", "model_seed", "run", "folder"})
+RUN_COLUMNS = frozenset({"seed", "run", "folder"})
 ABOVE = "above"
 BELOW = "below"
 WITHIN = "within"
+
+
+def sample_size(seeds: int, items: int) -> str:
+    """n as every verdict shows it: "3 seeds × 200 items"."""
+    return f"{seeds} seed{'s' if seeds != 1 else ''} × {items} item{'s' if items != 1 else ''}"
 
 
 class Verdict(str, Enum):
@@ -82,7 +87,7 @@ class Outcomes:
         return int(self.scores.groupby("seed")["item"].nunique().min()) if not self.scores.empty else 0
 
     def n(self) -> str:
-        return f"{len(self.seeds)} seed{'s' if len(self.seeds) != 1 else ''} × {self.items} item{'s' if self.items != 1 else ''}"
+        return sample_size(len(self.seeds), self.items)
 
     def at(self, seeds: Iterable[int]) -> "Outcomes":
         """These outcomes at `seeds` only."""
@@ -138,13 +143,12 @@ class Estimate:
     items: int
     level: float = LEVEL
 
-    def show(self, spec: str = ".3f", scale: float = 1.0, unit: str = "") -> str:
-        value, low, high = (format(scale * v, spec) for v in (self.value, self.low, self.high))
-        return f"{value}{unit} [{low}, {high}]"
+    def show(self, spec: str = ".3f") -> str:
+        return f"{self.value:{spec}} [{self.low:{spec}}, {self.high:{spec}}]"
 
     @property
     def n(self) -> str:
-        return f"{self.seeds} seeds × {self.items} items"
+        return sample_size(self.seeds, self.items)
 
 
 def _seed_means(per_seed: list[np.ndarray], rng: np.random.Generator, resamples: int) -> np.ndarray:
@@ -282,7 +286,6 @@ class Judgement:
     estimate: Estimate | None = None
     rule: Rule | None = None
     n: str = ""
-    details: Mapping[str, Any] = field(default_factory=dict)
 
 
 def not_testable(reason: str, n: str = "") -> Judgement:

@@ -68,7 +68,7 @@ def test_too_few_seeds_is_not_testable():
 def test_a_setting_cannot_be_cut_down_to_its_best_run():
     rng = np.random.default_rng(4)
     data = frame({"off": [correct(rng, 0.5) for _ in range(3)]})
-    for column in ("seed", "run", "model_seed"):
+    for column in ("seed", "run", "folder"):
         with pytest.raises(ValueError, match="best of N"):
             outcomes(data, policy="off", **{column: 1})
     # Two runs of one setting at one seed: the setting is underspecified, not a choice to make silently.
