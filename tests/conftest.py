@@ -136,13 +136,3 @@ def run_config(tmp_path):
 def stop_processes_naming():
     """sims.loopback.stop_processes_naming, for tests that start servers outside the test process."""
     return loopback.stop_processes_naming
-
-
-# Files whose tests mostly wait (for Flower's heartbeats, message timeouts, Ray and SuperLink starts):
-# collected first, so that under pytest-xdist's --dist loadfile they start at once and their waits
-# overlap the other workers' computing instead of forming the suite's tail.
-WAITING_MARKERS = ("deployment", "flwr_run")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in WAITING_MARKERS))
