@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from analysis.provenance import DirtyTree, dirty_warning, provenance  # noqa: F401 - the benchmarks take it from here
+from analysis.provenance import DirtyTree, dirty_warning, provenance
 
 RESULTS = Path(__file__).parents[1] / "results"
 REPORT_HELP = "only re-render the markdown from the JSON already written (measures nothing)"

@@ -42,7 +42,9 @@ def test_provenance_names_the_commit_and_the_current_recipes():
     from vlm.mini import MiniRecipe
     from vlm.mini.recipe import RECIPES
 
-    stamp = report.provenance()
+    from analysis.provenance import provenance
+
+    stamp = provenance()
     assert stamp["mini_recipe"] == MiniRecipe().fingerprint()
     # mini-positional's recipe is stamped too, and differs from mini's (its position loss).
     assert stamp["recipes"] == {name: recipe.fingerprint() for name, recipe in RECIPES.items()}
