@@ -40,8 +40,7 @@ from attacks.context import ATTACK_FOLDER
 from config import threats
 from privacy import defense_class, options_from, parse_defense_names
 from pruning import POLICIES
-from sims.archive import MARKER as ARCHIVE_MARKER, STAMP as SWEEP_STAMP
-from training.protocol import OUTCOMES_FILE
+from training.protocol import ARCHIVE_MARKER, OUTCOMES_FILE, SWEEP_STAMP
 
 # Settings every table carries, from the run's resolved config.
 SETTINGS = {

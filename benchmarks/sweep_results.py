@@ -25,10 +25,10 @@ from typing import Any
 import pandas as pd
 
 from analysis import runs, tables as T
-from analysis.provenance import merge
 from analysis.claims import activation_inversion, dp_mtv, qpriv_vl, vision_edge
+from analysis.provenance import merge
 from attacks.base import ATTACKS
-from sims.sweep import SWEEP_STAMP
+from training.protocol import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 

@@ -10,7 +10,7 @@ archive, committed with their reports).
 An archive is laid out as a sweep folder: `sweep.json` (every start, from every machine),
 `points/<point>.json` and `runs/<point>/`. An archived run folder keeps what results are read
 from (RUN_FILES, the attack results' JSON, and their outputs up to MAX_OUTPUT_BYTES each) and
-MARKER (when, from which sweep folder, what was left out). Not its checkpoints, recording or
+ARCHIVE_MARKER (when, from which sweep folder, what was left out). Not its checkpoints, recording or
 clients' state: a restored point can be read, not resumed or attacked again; an attack it
 lacks needs the run again (delete its folder). `analysis.runs.load_results` reads an archive as
 it reads a sweep folder.
@@ -27,12 +27,10 @@ from typing import Any
 
 from attacks.context import ATTACK_FOLDER
 from strategies.callbacks import CANARIES_FILE, write_json_atomically
-from training.protocol import NODE_PARTITIONS_FILE, OUTCOMES_FILE
+from training.protocol import ARCHIVE_MARKER, NODE_PARTITIONS_FILE, OUTCOMES_FILE, SWEEP_STAMP
 
 RUN_FILES = ("config.json", "status.json", "metrics.jsonl", OUTCOMES_FILE, "committed.json", NODE_PARTITIONS_FILE,
              CANARIES_FILE)
-MARKER = "archived.json"
-STAMP = "sweep.json"
 # Attack outputs (reconstructions, MIA scores) larger than this stay on the machine: 70 points of
 # 256 reconstructed images would weigh hundreds of MiB in the repository.
 MAX_OUTPUT_BYTES = 1 << 20
@@ -53,7 +51,7 @@ def _starts(path: Path) -> list[dict[str, Any]]:
 def merge_stamp(source: Path, target: Path) -> None:
     """`target`'s sweep.json gains the starts of `source`'s that it lacks, so the report's
     provenance names every machine and commit."""
-    source_stamp, target_stamp = source / STAMP, target / STAMP
+    source_stamp, target_stamp = source / SWEEP_STAMP, target / SWEEP_STAMP
     if not source_stamp.is_file():
         return
     target.mkdir(parents=True, exist_ok=True)
@@ -79,7 +77,7 @@ def archived_attacks(archive: Path, point: str) -> set[str]:
 def archived_state(archive: Path, point: str) -> str | None:
     """The archived run's state ("finished", ...), None when the archive does not hold it."""
     status = archive / "runs" / point / "status.json"
-    if not (archive / "runs" / point / MARKER).is_file() or not status.is_file():
+    if not (archive / "runs" / point / ARCHIVE_MARKER).is_file() or not status.is_file():
         return None
     return json.loads(status.read_text()).get("state")
 
@@ -99,7 +97,7 @@ def archive_point(sweep_folder: Path, point: str, archive: Path) -> None:
     record = sweep_folder / "points" / f"{point}.json"
     if record.is_file():
         _copy_atomically(record, archive / "points" / record.name)
-    write_json_atomically(target / MARKER, {"archived": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    write_json_atomically(target / ARCHIVE_MARKER, {"archived": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                             "sweep_folder": str(sweep_folder), "left_out": LEFT_OUT})
     merge_stamp(sweep_folder, archive)
 
@@ -115,7 +113,7 @@ def restore_point(archive: Path, point: str, sweep_folder: Path) -> None:
     was made from (output.root, the prepared artefacts) are rewritten to this one, so the point
     compares equal to its config here."""
     source = archive / "runs" / point
-    old = json.loads((source / MARKER).read_text())["sweep_folder"]
+    old = json.loads((source / ARCHIVE_MARKER).read_text())["sweep_folder"]
     new = str(sweep_folder)
     run = sweep_folder / "runs" / point
     for path in sorted(p for p in source.rglob("*") if p.is_file()):

@@ -85,6 +85,7 @@ from sims.launch import LocalSuperLink, app_config, launch
 from sims.privacy_cli import PositionlessPrepare, prepare_positionless
 from sims.usage import UsageError
 from strategies.callbacks import changed_since_written, is_stale, write_json_atomically, written_differences
+from training.protocol import SWEEP_STAMP
 
 RUNNERS = ("flwr", "inprocess")
 SECTIONS = ("sweep", "fixed", "dtp", "positionless", "grid", "attacks")
@@ -97,7 +98,6 @@ ATTACK_KEYS = ("attack", "options", "where")
 # A label names files in the run's attacks folder.
 ATTACK_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = "label"
-SWEEP_STAMP = "sweep.json"
 NO_PRUNING = "off"
 
 logger = logging.getLogger(__name__)

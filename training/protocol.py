@@ -61,6 +61,10 @@ ZERO_SHOT_SCORES = "zero-shot-scores"
 NODE_PARTITIONS_FILE = "nodes.json"
 # The run folder's per-question outcomes of each evaluated round (strategies.callbacks.OutcomesLog).
 OUTCOMES_FILE = "outcomes.jsonl"
+# A sweep folder's record of its starts (sims.sweep writes it, analysis.runs reads each run's start
+# from it), and the marker of a run folder restored from a sweep's archive (sims.archive).
+SWEEP_STAMP = "sweep.json"
+ARCHIVE_MARKER = "archived.json"
 # MTV: the run folder's released task vector (values, mask, ledger), what a membership audit queries with.
 TASK_VECTOR_FILE = "task_vector.pt"
 
