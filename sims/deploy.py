@@ -22,7 +22,7 @@ The recipe here:
 `init` writes the CA and the SuperLink's certificate (valid for localhost, 127.0.0.1 and the
 public host), one OpenSSH EC key pair per node, the gateway's nginx config and the `flwr`
 connection for the operator; `commands` gives each process's command line. Tested on loopback
-in tests/sims/test_deploy.py.
+in tests/sims/test_deploy.py and tests/sims/test_deploy_restarts.py.
 """
 
 import argparse

@@ -139,6 +139,16 @@ class LoopbackFederation:
     def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env, timeout=timeout)
 
+    def run(self, app: Path, run_config: str) -> subprocess.Popen:
+        """`flwr run` of `app` on the deployment with `run_config`, its output streamed into a pipe."""
+        return subprocess.Popen(["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+
+    def runtime_port(self, partition: int) -> str:
+        """The Runtime API port of SuperNode `partition`, which the processes serving it name."""
+        command = self.node_commands[partition]
+        return command[command.index("--port") + 1]
+
     def nodes(self) -> list[dict]:
         """Every SuperNode the SuperLink knows, as the operator lists them."""
         listed = self.flwr("supernode", "list", CONNECTION, "--format", "json")

@@ -1,5 +1,6 @@
 """Fixtures shared by every test folder."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,27 @@ def tree_counts_as_clean():
         yield
 
 
-@pytest.fixture(autouse=True)
-def single_thread_torch():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine the
-    threads' synchronisation made the suite ~15x slower (80 s instead of 5 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One torch thread in the tests and in every process they start (flwr runs, sweeps, SuperNodes,
+# warm workers): tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine
+# the threads' synchronisation made the suite ~15x slower (80 s instead of 5 s). Set before any
+# test module imports the model code, so module fixtures train single-threaded too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items):
+    """Files marked long_file first, then the rest by their number of tests, as pytest-xdist's own
+    reordering would (the Makefile turns that off so this order stands): a file of minutes that a
+    worker starts last is the suite's tail, where started first its waits overlap the other files'
+    work. Stable, so each file's tests stay together and in their order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+
+    def rank(item) -> tuple[bool, int]:
+        return item.get_closest_marker("long_file") is None, -counts[item.nodeid.split("::")[0]]
+
+    items.sort(key=rank)
 
 
 def _tensors_of(state, prefix=""):

@@ -24,13 +24,8 @@ NEVER_LEARNS = replace(QUICK, base_check_accuracy=1.0, base_few_tokens_max_steps
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    # Module-scoped, so the autouse single-thread fixture has not run yet; builds are
-    # only bit-identical at the same thread count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("cache")
-    yield build_mini(QUICK, root=root, progress=False), root
-    torch.set_num_threads(threads)
+    return build_mini(QUICK, root=root, progress=False), root
 
 
 def test_every_stage_is_recorded_with_its_time(built):
