@@ -4,11 +4,11 @@
 setup:
 	@bash scripts/setup.sh
 
-# Three workers on CI's two cores (measured: 667 s against 764 s with two; the flwr-run and
-# deployment tests spend part of their time waiting on Flower). Whole files per worker, so module
-# fixtures are built once and the `flwr run` tests (fixed ports) share one SuperLink.
+# Three workers on CI's two cores (the flwr-run and deployment tests spend part of their time
+# waiting on Flower). Whole files per worker, so module fixtures are built once and the `flwr run`
+# tests (fixed ports) share one SuperLink; tests/conftest.py orders the files, long ones first.
 test: setup
-	.venv/bin/python -m pytest -q -n 3 --dist loadfile
+	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # `build` installs shipped weights (digest checked) in seconds, or builds them (about 47 min on 2 cores).
 run: setup

@@ -30,7 +30,7 @@ from sims.launch import (LocalSuperLink, installed_tools_environment, launch, si
 from sims.loopback import stop_processes_naming
 from sims.sweep import main as sweep_main
 
-pytestmark = pytest.mark.flwr_run
+pytestmark = [pytest.mark.flwr_run, pytest.mark.long_file]
 SIMS = Path(__file__).parents[2] / "sims"
 RAY_PORT = 6391
 
