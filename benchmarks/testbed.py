@@ -75,11 +75,6 @@ TARGET_OUTSIDE_PROBE = 2 / DIGITS  # at most twice chance
 # The memorisation points' columns first in this order (benchmarks/testbed_memorisation.py's rows).
 MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "members", "non_members")
 
-BASELINE_RULE = (
-    "per exact question text, the most frequent answer among the training split's rows with that text "
-    "(ties: the answer seen first); a text never seen in training falls back to the most frequent training "
-    "answer of its question kind"
-)
 
 
 # --- statistics -------------------------------------------------------------------------------
@@ -105,24 +100,6 @@ def bootstrap_mean(values: Sequence[float], seed: int) -> dict[str, Any]:
 
 
 # --- the question-only baseline -----------------------------------------------------------------
-
-
-def question_only_predictions(train: Sequence[Any], test: Sequence[Any]) -> tuple[list[str], int]:
-    """BASELINE_RULE's answer for each test question, and how many fell back to their kind."""
-    by_text: dict[str, Counter] = defaultdict(Counter)
-    by_kind: dict[str, Counter] = defaultdict(Counter)
-    for sample in train:
-        by_text[sample.question][sample.answer] += 1
-        by_kind[sample.question_kind][sample.answer] += 1
-    overall = Counter(sample.answer for sample in train)
-    predictions, fallbacks = [], 0
-    for sample in test:
-        if sample.question in by_text:
-            predictions.append(by_text[sample.question].most_common(1)[0][0])
-        else:
-            fallbacks += 1
-            predictions.append((by_kind.get(sample.question_kind) or overall).most_common(1)[0][0])
-    return predictions, fallbacks
 
 
 # --- keep sets ------------------------------------------------------------------------------------
@@ -313,7 +290,7 @@ def policy_summary(scores: Sequence[float], groups: dict[str, list[int]]) -> dic
 def measure_accuracy(bed: Testbed, partial: dict[str, Any], save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Per policy per-question scores (kept as 0/1 strings so the part resumes policy by policy),
     then the summaries and the paired differences."""
-    from vqa import score_sample
+    from vqa import BASELINE_RULE, question_only_predictions, score_sample
 
     args, test = bed.args, bed.test
     groups = kind_groups(test)

@@ -77,9 +77,8 @@ def epochs_of(steps: int, batch_size: int, rows: int) -> float:
 def question_only_accuracy(train: Sequence[Any], test: Sequence[Any]) -> dict[str, Any]:
     """The question-only baseline on `test`: per question text the most frequent answer in
     `train` (a text never seen: its kind's most frequent answer), scored as the runs score
-    (vqa.aggregate_accuracy), overall and per question kind (the rule of benchmarks/testbed.py)."""
-    from testbed import question_only_predictions  # noqa: PLC0415 - the rule lives with the testbed
-    from vqa import aggregate_accuracy
+    (vqa.aggregate_accuracy), overall and per question kind (vqa.BASELINE_RULE)."""
+    from vqa import aggregate_accuracy, question_only_predictions
 
     predictions, _ = question_only_predictions(train, test)
     report = aggregate_accuracy(predictions, list(test))

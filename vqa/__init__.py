@@ -38,11 +38,13 @@ from vqa.registry import (
 )
 from vqa.schema import AnswerType, VQADataset, VQASample
 from vqa.scoring import (
+    BASELINE_RULE,
     AccuracyReport,
     GroupAccuracy,
     aggregate_accuracy,
     exact_match,
     first_token_substring_match,
+    question_only_predictions,
     score_sample,
     token_recall,
     vqa_soft_accuracy,
@@ -51,6 +53,7 @@ from vqa.scenes import REFUSAL_ANSWER, SceneSpec, SceneSpecError, needed_patches
 from vqa.stamping import MarkRecord, StampSpec, mark_patches
 
 __all__ = [
+    "BASELINE_RULE",
     "IMAGE_PLACEHOLDER",
     "PRIVATE",
     "PUBLIC",
@@ -84,6 +87,7 @@ __all__ = [
     "dataset_names",
     "exact_match",
     "first_token_substring_match",
+    "question_only_predictions",
     "get_adapter",
     "load_privacy_bags",
     "load_vqa",

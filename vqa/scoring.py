@@ -107,3 +107,30 @@ def _grouped(scores: Sequence[float], keys: Iterable[str]) -> dict[str, GroupAcc
     for key, score in zip(keys, scores):
         groups[key].append(score)
     return {key: GroupAccuracy(sum(values) / len(values), len(values)) for key, values in sorted(groups.items())}
+
+
+# The question-only baseline: what answering without the image scores (benchmarks/testbed.py,
+# benchmarks/testbed_memorisation.py).
+BASELINE_RULE = (
+    "per exact question text, the most frequent answer among the training split's rows with that text "
+    "(ties: the answer seen first); a text never seen in training falls back to the most frequent training "
+    "answer of its question kind"
+)
+
+
+def question_only_predictions(train: Sequence[VQASample], test: Sequence[VQASample]) -> tuple[list[str], int]:
+    """BASELINE_RULE's answer for each test question, and how many fell back to their kind."""
+    by_text: dict[str, Counter] = defaultdict(Counter)
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    for sample in train:
+        by_text[sample.question][sample.answer] += 1
+        by_kind[sample.question_kind][sample.answer] += 1
+    overall = Counter(sample.answer for sample in train)
+    predictions, fallbacks = [], 0
+    for sample in test:
+        if sample.question in by_text:
+            predictions.append(by_text[sample.question].most_common(1)[0][0])
+        else:
+            fallbacks += 1
+            predictions.append((by_kind.get(sample.question_kind) or overall).most_common(1)[0][0])
+    return predictions, fallbacks

@@ -1,11 +1,10 @@
-"""benchmarks/testbed.py: its arguments, the question-only baseline rule, the keep sets and probe
+"""benchmarks/testbed.py: its arguments, the keep sets and probe
 helpers on tiny inputs, and its markdown rendered from a small hand-made JSON (no model runs)."""
 
 import json
 import re
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,38 +15,6 @@ from analysis.stats import wilson
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
 import testbed  # noqa: E402
-
-
-def row(question: str, answer: str, kind: str) -> SimpleNamespace:
-    return SimpleNamespace(question=question, answer=answer, question_kind=kind)
-
-
-def test_the_question_only_baseline_answers_each_text_with_its_commonest_training_answer():
-    train = [
-        row("Is there a red circle?", "no", "exist"),
-        row("Is there a red circle?", "yes", "exist"),
-        row("Is there a red circle?", "no", "exist"),
-        row("How many circles are there?", "2", "count"),
-        row("How many squares are there?", "1", "count"),
-        row("How many squares are there?", "1", "count"),
-        row("What shape is left of the red circle?", "unanswerable", "unanswerable"),
-    ]
-    test = [
-        row("Is there a red circle?", "yes", "exist"),
-        row("How many circles are there?", "1", "count"),
-        # Never seen in training: the commonest answer of its kind ("1": two rows against one).
-        row("How many triangles are there?", "1", "count"),
-        # Seen under another kind: the text decides, not the kind.
-        row("What shape is left of the red circle?", "square", "relation"),
-    ]
-    predictions, fallbacks = testbed.question_only_predictions(train, test)
-    assert predictions == ["no", "2", "1", "unanswerable"]
-    assert fallbacks == 1
-
-
-def test_a_tie_goes_to_the_answer_seen_first():
-    train = [row("q", "b", "k"), row("q", "a", "k"), row("q", "a", "k"), row("q", "b", "k")]
-    assert testbed.question_only_predictions(train, [row("q", "a", "k")]) == (["b"], 0)
 
 
 def test_random_keep_is_seeded_per_sample_and_keeps_a_quarter():

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from PIL import Image
 
@@ -10,6 +12,7 @@ from vqa.scoring import (
     aggregate_accuracy,
     exact_match,
     first_token_substring_match,
+    question_only_predictions,
     score_sample,
     token_recall,
     vqa_soft_accuracy,
@@ -107,3 +110,35 @@ def test_aggregate_reports_overall_per_type_and_per_kind() -> None:
     assert report.by_question_kind["organ"].count == 2
     with pytest.raises(ValueError, match="3 predictions for 4 samples"):
         aggregate_accuracy(["yes"] * 3, samples)
+
+
+def row(question: str, answer: str, kind: str) -> SimpleNamespace:
+    return SimpleNamespace(question=question, answer=answer, question_kind=kind)
+
+
+def test_the_question_only_baseline_answers_each_text_with_its_commonest_training_answer():
+    train = [
+        row("Is there a red circle?", "no", "exist"),
+        row("Is there a red circle?", "yes", "exist"),
+        row("Is there a red circle?", "no", "exist"),
+        row("How many circles are there?", "2", "count"),
+        row("How many squares are there?", "1", "count"),
+        row("How many squares are there?", "1", "count"),
+        row("What shape is left of the red circle?", "unanswerable", "unanswerable"),
+    ]
+    test = [
+        row("Is there a red circle?", "yes", "exist"),
+        row("How many circles are there?", "1", "count"),
+        # Never seen in training: the commonest answer of its kind ("1": two rows against one).
+        row("How many triangles are there?", "1", "count"),
+        # Seen under another kind: the text decides, not the kind.
+        row("What shape is left of the red circle?", "square", "relation"),
+    ]
+    predictions, fallbacks = question_only_predictions(train, test)
+    assert predictions == ["no", "2", "1", "unanswerable"]
+    assert fallbacks == 1
+
+
+def test_a_tie_goes_to_the_answer_seen_first():
+    train = [row("q", "b", "k"), row("q", "a", "k"), row("q", "a", "k"), row("q", "b", "k")]
+    assert question_only_predictions(train, [row("q", "a", "k")]) == (["b"], 0)
