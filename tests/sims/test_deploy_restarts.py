@@ -1,8 +1,7 @@
 """The deployment recipe of sims/deploy.py on loopback when its processes go away: FL goes on
 without a node killed mid-round, which then rejoins as itself, and a run resumes after the
-SuperLink restarts from its database. A federation of its own (tests/sims/conftest.py), apart
-from test_deploy.py's, since both tests restart its processes, and so the two files' waits run
-side by side.
+SuperLink restarts from its database. On a federation of its own (tests/sims/conftest.py), not
+test_deploy.py's: both tests restart its processes, and the two files' waits run side by side.
 
 Slow by nature: each `flwr run` cold-starts a warm worker on each node (about 15 s on 2 cores,
 over 30 s under load), the dead node is waited out for Flower's heartbeat patience (2 x 30 s), and
