@@ -76,7 +76,6 @@ TARGET_OUTSIDE_PROBE = 2 / DIGITS  # at most twice chance
 MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "members", "non_members")
 
 
-
 # --- statistics -------------------------------------------------------------------------------
 
 
@@ -97,9 +96,6 @@ def paired_bootstrap(first: Sequence[float], second: Sequence[float], seed: int)
 
 def bootstrap_mean(values: Sequence[float], seed: int) -> dict[str, Any]:
     return paired_bootstrap(values, [0.0] * len(values), seed)
-
-
-# --- the question-only baseline -----------------------------------------------------------------
 
 
 # --- keep sets ------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Fixtures shared by every test folder."""
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,10 @@ def pytest_collection_modifyitems(items):
     reordering would (the Makefile turns that off so this order stands): a file of minutes that a
     worker starts last is the suite's tail, where started first its waits overlap the other files'
     work. Stable, so each file's tests stay together and in their order."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+    counts = Counter(item.path for item in items)
 
     def rank(item) -> tuple[bool, int]:
-        return item.get_closest_marker("long_file") is None, -counts[item.nodeid.split("::")[0]]
+        return item.get_closest_marker("long_file") is None, -counts[item.path]
 
     items.sort(key=rank)
 
