@@ -72,6 +72,9 @@ TARGET_ORACLE_SHARE = 0.30
 TARGET_ORACLE_LOSS = 0.03
 TARGET_MARK_PROBE = 0.80
 TARGET_OUTSIDE_PROBE = 2 / DIGITS  # at most twice chance
+TARGET_RELEVANCE_RECALL = 0.80
+TARGET_SENSITIVITY_AUROC = 0.95
+TARGET_LARGEST_RATIO_SHARE = 0.60  # no oracle ratio may hold more of the samples
 # The memorisation points' columns first in this order (benchmarks/testbed_memorisation.py's rows).
 MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "members", "non_members")
 
@@ -805,34 +808,45 @@ def probe_section(part: dict[str, Any] | None) -> str:
     ])
 
 
+def largest_ratio_share(histogram: dict[str, int] | None) -> float | None:
+    """The share of the samples at the oracle ratio that holds the most of them."""
+    total = sum((histogram or {}).values())
+    return max(histogram.values()) / total if total else None
+
+
 def scorer_section(results: dict[str, Any]) -> str:
     title = "## 4. The DTP scorer"
-    header = ["DTP folder (direction, α)", "relevance top-k recall of oracle patches", "sensitivity AUROC of mark "
-              "patches", "oracle ρ* histogram (train)", "oracle ρ* histogram (held out)"]
-    rows = []
+    header = ["DTP folder (direction, α)", "measure", "target", "measured", "95% interval", "n", "result"]
+    rows, histograms = [], []
     for name, part in results.get("parts", {}).items():
         if not name.startswith("scorer:") or "result" not in part:
             continue
         r = part["result"]
         recall, auroc = r["relevance_topk_recall"], r["sensitivity_mark_auroc"]
-
-        def histogram(h: dict[str, int] | None) -> str:
-            return "—" if not h else ", ".join(f"{ratio}: {count}" for ratio, count in h.items())
-
-        rows.append([
-            f"`{Path(r['folder']).name}` ({r['settings']['direction']}, α={r['settings']['alpha']:g})",
-            f"{pct(recall['value'])} {interval(recall)}, n={recall['n']} (chance {pct(recall['chance'])})",
-            f"{auroc['value']:.3f} {interval(auroc, scale=1, spec='.3f')}, n={auroc['n']} images",
-            histogram(r["oracle_histogram"].get("train")), histogram(r["oracle_histogram"].get("held_out")),
-        ])
+        label = f"`{Path(r['folder']).name}` ({r['settings']['direction']}, α={r['settings']['alpha']:g})"
+        rows.append([label, f"relevance u: top-k recall of oracle patches (chance {pct(recall['chance'])})",
+                     f"≥ {pct(TARGET_RELEVANCE_RECALL)}", pct(recall["value"]), interval(recall), recall["n"],
+                     verdict(recall["value"] >= TARGET_RELEVANCE_RECALL)])
+        rows.append([label, "sensitivity s: AUROC of mark patches", f"≥ {TARGET_SENSITIVITY_AUROC:.2f}",
+                     f"{auroc['value']:.3f}", interval(auroc, scale=1, spec=".3f"), f"{auroc['n']} images",
+                     verdict(auroc["value"] >= TARGET_SENSITIVITY_AUROC)])
+        for split in ("train", "held_out"):
+            histogram = r["oracle_histogram"].get(split)
+            largest = largest_ratio_share(histogram)
+            rows.append([label, f"oracle ρ*: largest share of one ratio ({split.replace('_', ' ')})",
+                         f"≤ {pct(TARGET_LARGEST_RATIO_SHARE)}", pct(largest), "—", sum((histogram or {}).values()),
+                         verdict(None if largest is None else largest <= TARGET_LARGEST_RATIO_SHARE)])
+            histograms.append(f"- {label}, {split.replace('_', ' ')}: "
+                              + (", ".join(f"{ratio}: {count}" for ratio, count in histogram.items()) if histogram else "—"))
     if not rows:
-        rows = [["none given (--dtp DIR)", "not measured", "not measured", "not measured", "not measured"]]
+        rows = [["none given (--dtp DIR)", "—", "—", "not measured", "—", "—", "—"]]
     return "\n".join([
         title, "",
-        "No targets: top-k recall takes each question's k = |needed patches| best patches by the module's "
-        "relevance u (questions needing none left out); the AUROC pools every patch of the stamped test images, "
-        "the patches of the mark's box positive, scored by the aligned sensitivity map s (bootstrap over images).", "",
-        markdown_table(header, rows),
+        "Top-k recall takes each question's k = |needed patches| best patches by the module's relevance u "
+        "(questions needing none left out); the AUROC pools every patch of the stamped test images, the patches of "
+        "the mark's box positive, scored by the aligned sensitivity map s (bootstrap over images).", "",
+        markdown_table(header, rows), "",
+        "Oracle ρ* histograms (ratio: samples):", "", *histograms,
     ])
 
 

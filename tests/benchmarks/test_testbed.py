@@ -132,6 +132,12 @@ def hand_made_results() -> dict:
         "settings": {"dataset": "scenes-stamped", "seed": 0, "torch_threads": 1, "cpu_count": 2},
         "model": {"profile": "mini-scenes", "stage": "vqa", "weights_digest": "abcd", "recipe_fingerprint": "3869"},
         "parts": {
+            "scorer:/x/dtp-a": {"key": {}, "seconds": 5.0, "load_average_before": [1.0, 1, 1],
+                                "load_average_after": [1.0, 1, 1], "result": {
+                "folder": "/x/dtp-a", "settings": {"direction": "largest", "alpha": 1.0},
+                "relevance_topk_recall": {**measured(0.72, 300), "chance": 0.07},
+                "sensitivity_mark_auroc": measured(0.99, 250),
+                "oracle_histogram": {"train": {"0.10": 5, "0.50": 5}, "held_out": {"0.10": 7, "1.00": 3}}}},
             "accuracy": {"key": {}, "result": accuracy, "seconds": 12.0, "load_average_before": [1.0, 1, 1],
                          "load_average_after": [2.0, 1, 1]},
             "probes": {"key": {}, "seconds": 3.0, "load_average_before": [1.0, 1, 1], "load_average_after": [1.5, 1, 1],
@@ -164,8 +170,17 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     assert "| (a) vision feature layer (-2): the mark's patch rows | ≥ 80.0% | 91.0% | [86.0, 96.0] | 250 | pass |" in lines
     assert any(line.startswith("| (b) vision feature layer (-2): mean outside") and "**FAIL**" in line for line in lines)
     assert any(line.startswith("| (control)") and line.endswith("| — |") for line in lines)
-    # No --dtp folder was measured: the scorer rows say so.
-    assert "| none given (--dtp DIR) | not measured | not measured | not measured | not measured |" in lines
+    # The scorer: recall below its target fails, the AUROC passes, and a ratio holding 70% of the
+    # held-out samples fails the spread target while the training split's 50% passes.
+    scorer = "| `dtp-a` (largest, α=1) |"
+    assert any(line.startswith(f"{scorer} relevance u") and "| 72.0% |" in line and "**FAIL**" in line for line in lines)
+    assert any(line.startswith(f"{scorer} sensitivity s") and "| 0.990 |" in line and line.endswith("| pass |")
+               for line in lines)
+    assert any(line.startswith(f"{scorer} oracle ρ*: largest share of one ratio (train)") and "| 50.0% |" in line
+               and line.endswith("| pass |") for line in lines)
+    assert any(line.startswith(f"{scorer} oracle ρ*: largest share of one ratio (held out)") and "| 70.0% |" in line
+               and "**FAIL**" in line for line in lines)
+    assert "- `dtp-a` (largest, α=1), held out: 0.10: 7, 1.00: 3" in lines
     # The memorisation points come from the other helper's dict as they are.
     assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 |" in line and "**FAIL**" in line
                for line in lines)
@@ -176,7 +191,8 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
 
 def test_a_json_without_parts_renders_not_measured_everywhere(tmp_path):
     text = testbed.render_report({}, tmp_path).read_text()
-    assert text.count("not measured") >= 6
+    assert text.count("not measured") >= 3
+    assert "| none given (--dtp DIR) | — | — | not measured | — | — | — |" in text
     assert "Not measured (`--parts memorisation`" in text
 
 

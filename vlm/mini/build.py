@@ -4,6 +4,7 @@ Each finished stage is saved before the next starts, so an interrupted build
 resumes at the stage it was in. The folder is keyed by the recipe's fingerprint.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -63,7 +64,12 @@ class MiniFolder:
         self.report.write_text(json.dumps(report, indent=2))
 
 
-def _new_model(tokenizer: PreTrainedTokenizerFast, seed: int, profile: Profile = MINI) -> torch.nn.Module:
+def _new_model(tokenizer: PreTrainedTokenizerFast, seed: int, profile: Profile = MINI,
+               init_std: float | None = None) -> torch.nn.Module:
+    """A randomly initialised model of `profile` for `tokenizer`; `init_std` replaces the text
+    config's initializer_range (projector, decoder, embeddings) when given."""
+    if init_std is not None:
+        profile = dataclasses.replace(profile, text={**profile.text, "initializer_range": init_std})
     return build_random_model(
         profile,
         seed=seed,
@@ -270,7 +276,7 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
             texts = [build_prompt(s.question, recipe.instruction) + " " + s.answer for rows in splits.values() for s in rows]
             build_word_tokenizer(texts).save_pretrained(folder.tokenizer)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
-        model = _new_model(tokenizer, recipe.seed, MINI_SCENES)
+        model = _new_model(tokenizer, recipe.seed, MINI_SCENES, init_std=recipe.decoder_init_std)
         preprocess = clip_image_preprocessor(MINI_SCENES.image_size)
 
         load = partial(load_weights_into, model)

@@ -6,12 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from vlm.mini import SceneRecipe, build_mini, load_mini
 from vlm.mini import build as build_module
-from vlm.mini.build import MiniFolder, ShippedWeightsCorrupt, ship, weights_digest, weights_identity
+from vlm.mini.build import MiniFolder, ShippedWeightsCorrupt, _new_model, ship, weights_digest, weights_identity
 from vlm.profiles import get_profile
-from vlm.segments import vision_features
+from vlm.segments import llava_parts, vision_features
 from vqa import SceneSpec, get_adapter, registry
 from vqa.adapters.scenes import ScenesAdapter
 
@@ -81,3 +82,17 @@ def test_shipped_weights_install_with_their_digest_and_a_torn_file_is_refused(bu
 
 def test_an_unbuilt_profile_is_named_as_such(tmp_path):
     assert weights_identity("mini-scenes", tmp_path).endswith("not built")
+
+
+def test_the_decoder_starts_at_the_recipes_init_std_and_a_bad_one_is_refused(built):
+    folder, _ = built
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder.tokenizer)
+    profile = get_profile("mini-scenes")
+
+    def decoder_std(model) -> float:
+        return llava_parts(model).language_model.layers[0].self_attn.q_proj.weight.std().item()
+
+    assert decoder_std(_new_model(tokenizer, 0, profile, init_std=0.1)) == pytest.approx(0.1, rel=0.1)
+    assert decoder_std(_new_model(tokenizer, 0, profile)) == pytest.approx(0.02, rel=0.1)
+    with pytest.raises(ValueError, match="decoder_init_std=0"):
+        SceneRecipe(decoder_init_std=0)
