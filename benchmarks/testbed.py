@@ -622,6 +622,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["model"] = {"profile": args.profile, "stage": "vqa", **{k: v for k, v in bed.build.items()
                                                                     if k not in ("features_file",)}}
     results["setup_seconds"] = round(time.perf_counter() - started, 1)
+    # A part measured on other weights describes another model: it goes, so that the report never
+    # shows one build's accuracy beside another's scorer.
+    for part, stored in list(results["parts"].items()):
+        if stored.get("key", {}).get("weights_digest") != bed.build["weights_digest"]:
+            print(f"{part}: measured on weights {stored.get('key', {}).get('weights_digest')}, dropped")
+            del results["parts"][part]
     results["setup_load_average"] = list(load_before)
 
     def measured(part: str, key: dict[str, Any], compute: Callable[[], dict[str, Any]]) -> None:

@@ -58,7 +58,8 @@ class RunCallback(Protocol):
 
 
 class RunFolder:
-    """A run's folder; refuses to resume a folder written by a different config."""
+    """A run's folder; refuses to resume a folder written by a different config or whose rounds
+    were trained on other weights (a rebuilt mini)."""
 
     def __init__(self, config: SimConfig, path: Path) -> None:
         self.path = path
@@ -82,6 +83,12 @@ class RunFolder:
                 f"run folder {path} was written by a different config (changed: {changed}); only "
                 f"{', '.join(RESUMABLE_KEYS)} may change on resume — use another output.name"
             )
+        trained_on = self._weights_trained_on()
+        if trained_on and trained_on != self.weights and "not built" not in self.weights:
+            raise ValueError(
+                f"run folder {path} was trained on {trained_on}, but {config.model.profile} now loads "
+                f"{self.weights}: its rounds belong to another model — use another output.name"
+            )
         if config.train.rounds < self.committed_round():
             raise ValueError(f"run config train.rounds={config.train.rounds} is not allowed; allowed: >= "
                              f"{self.committed_round()}, the rounds run folder {path} already holds")
@@ -89,6 +96,16 @@ class RunFolder:
 
     def committed_round(self) -> int:
         return committed_round(self.path)
+
+    def _weights_trained_on(self) -> str | None:
+        """The weights the folder's committed rounds were trained on (its last status), if any."""
+        status = self.path / "status.json"
+        if not self.committed_round() or not status.is_file():
+            return None
+        try:
+            return json.loads(status.read_text()).get("weights")
+        except json.JSONDecodeError:
+            return None  # a torn status says nothing about the weights; the checkpoints are what resume
 
     def checkpoint_path(self, round_: int) -> Path:
         return self.path / "checkpoints" / f"round-{round_:06d}.pt"

@@ -235,3 +235,9 @@ def test_it_measures_on_tiny_saves_each_part_and_keeps_finished_parts_on_a_rerun
     again = json.loads((tmp_path / "testbed.json").read_text())
     assert again["parts"]["accuracy"] == results["parts"]["accuracy"]
     assert again["parts"]["probes"] == results["parts"]["probes"]
+    # A part measured on other weights is dropped on the next run, not shown beside this model's.
+    stale = {**again["parts"]["probes"], "key": {**again["parts"]["probes"]["key"], "weights_digest": "0ther"}}
+    (tmp_path / "testbed.json").write_text(json.dumps({**again, "parts": {**again["parts"], "scorer:/x": stale}}))
+    testbed.main([*arguments, "--parts", "accuracy"])
+    assert "scorer:/x: measured on weights 0ther, dropped" in capsys.readouterr().out
+    assert set(json.loads((tmp_path / "testbed.json").read_text())["parts"]) == {"accuracy", "probes"}

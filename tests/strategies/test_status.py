@@ -5,6 +5,8 @@ dead server), and each run's own client state under a node's state-dir."""
 import json
 import threading
 
+import pytest
+
 from clients.runtime import client_state_dir
 from config import load_config
 from strategies.callbacks import STALE_AFTER_S, Heartbeat, RunFolder, is_stale
@@ -58,3 +60,15 @@ def test_a_nodes_state_dir_keeps_each_run_apart_and_a_resumed_run_with_itself(ru
     assert len({where, client_state_dir(other_settings, 0, node), client_state_dir(other_name, 0, node),
                 client_state_dir(first, 1, node)}) == 4
     assert client_state_dir(first, 0, None) == first.run_folder() / "clients" / "partition-0"
+
+
+def test_a_folder_whose_rounds_were_trained_on_other_weights_is_not_resumed(run_config, tmp_path):
+    config = load_config(run_config())
+    folder = RunFolder(config, tmp_path / "run")
+    folder.write_status("finished", rounds=1)
+    (folder.path / "committed.json").write_text(json.dumps({"round": 1}))
+    RunFolder(config, folder.path)  # the same weights resume
+    status = json.loads((folder.path / "status.json").read_text())
+    (folder.path / "status.json").write_text(json.dumps({**status, "weights": "mini-scenes recipe 0ld, weights 0ld"}))
+    with pytest.raises(ValueError, match="was trained on mini-scenes recipe 0ld, weights 0ld, but .* now loads"):
+        RunFolder(config, folder.path)
