@@ -29,6 +29,8 @@ import threading
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -179,11 +181,65 @@ def simulation_environment() -> dict[str, str]:
     return {**environment, **ray_tls_environment(home / "ray-tls", hosts)}
 
 
+class RoundWatcher:
+    """Hands each round line metrics.jsonl gains to `on_round` while a run works: `flwr run`'s
+    own output comes back only when it ends, and a run of five rounds takes many minutes.
+    Polls once a second (the file is written by another process; nothing else signals it)."""
+
+    def __init__(self, metrics: Path, on_round: Callable[[dict[str, Any]], None], every_s: float = 1.0) -> None:
+        self.metrics, self.on_round, self.every_s = metrics, on_round, every_s
+        self._seen = self._lines()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="round-watcher", daemon=True)
+
+    def _lines(self) -> int:
+        return len(self.metrics.read_text().splitlines()) if self.metrics.is_file() else 0
+
+    def _report_new(self) -> None:
+        lines = self.metrics.read_text().splitlines() if self.metrics.is_file() else []
+        if len(lines) < self._seen:  # a resumed run dropped lines past its checkpoint
+            self._seen = len(lines)
+        for line in lines[self._seen:]:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                return  # a line still being written: read it whole on the next poll
+            self.on_round(record)
+            self._seen += 1
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._report_new()
+
+    def __enter__(self) -> "RoundWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._report_new()
+
+
+def round_line(record: dict[str, Any], rounds: int) -> str:
+    """One round of metrics.jsonl as the launcher prints it."""
+    parts = []
+    if record.get("test_accuracy") is not None:
+        parts.append(f"test accuracy {record['test_accuracy']:.3f} ({int(record.get('test_count') or 0)} questions)")
+    if record.get("train_loss") is not None:
+        parts.append(f"train loss {record['train_loss']:.3f}")
+    if record.get("wall_s") is not None:
+        parts.append(f"{record['wall_s']:.0f} s")
+    return f"round {record.get('round')}/{rounds}: " + ", ".join(parts)
+
+
 def launch(
-    app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600
+    app_dir: str | Path, overrides: dict[str, Any] | None = None, federation_config: str = "", timeout_s: float = 3600,
+    *, on_round: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], Path, subprocess.CompletedProcess]:
     """Run the app after its preflight (the SuperNodes default to clients.count); returns
-    (status.json contents, run folder, the finished `flwr run` process).
+    (status.json contents, run folder, the finished `flwr run` process). `on_round(line)` gets
+    each round as it ends, a readable line (round_line).
 
     The local SuperLink `flwr run` starts for it is stopped when `flwr run` returns, raises or
     is interrupted, unless an enclosing `LocalSuperLink` context holds it for more runs."""
@@ -197,7 +253,10 @@ def launch(
     if overrides:
         command += ["--run-config", " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())]
     environment = simulation_environment()
-    with LocalSuperLink(environment):
+    rounds = config.train.rounds
+    watcher = (nullcontext() if on_round is None
+               else RoundWatcher(folder / "metrics.jsonl", lambda record: on_round(round_line(record, rounds))))
+    with LocalSuperLink(environment), watcher:
         process = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment)
     if not status_file.exists() or status_file.stat().st_mtime_ns == previous:
         status = {"state": "unknown", "error": f"the run wrote no status to {status_file}; flwr said:\n{process.stdout[-3000:]}{process.stderr[-3000:]}"}
@@ -403,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _main_thread() else None
     try:
         with LocalSuperLink() as superlink:
-            status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config)
+            status, folder, process = launch(args.app_dir, parse_overrides(args.run_config), args.federation_config,
+                                             on_round=lambda line: print(line, flush=True))
     except (ConfigError, LaunchError, ModelNotAvailableError) as error:
         print(f"sims.launch: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,32 @@ def test_what_passes_reaches_flwr_run_with_one_supernode_per_client(monkeypatch,
                                   "data.test_limit": 9}, "num-supernodes=2 client-resources-num-cpus=1")
     assert started[-1][started[-1].index("--federation-config") + 1] == "num-supernodes=2 client-resources-num-cpus=1"
     assert status["state"] == "unknown" and json.dumps(status)
+
+
+def test_each_round_is_printed_while_the_run_works(monkeypatch, tmp_path):
+    printed, first_printed, real_run = [], threading.Event(), subprocess.run
+    metrics = tmp_path / "watched" / "metrics.jsonl"
+
+    def run(command, **kwargs):
+        if command[0] != "flwr":
+            return real_run(command, **kwargs)
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        metrics.write_text(json.dumps({"round": 1, "test_accuracy": 0.795, "test_count": 1000.0, "train_loss": 0.0898,
+                                       "wall_s": 169.3}) + "\n")
+        assert first_printed.wait(30), "round 1 was not printed while flwr run still ran"
+        with metrics.open("a") as handle:  # the last round, then the run ends: printed on the way out
+            handle.write(json.dumps({"round": 2, "test_accuracy": 0.8, "test_count": 1000.0}) + "\n")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    def on_round(line: str) -> None:
+        printed.append(line)
+        first_printed.set()
+
+    monkeypatch.setattr(L.subprocess, "run", run)
+    L.launch(USL, {"output.root": str(tmp_path), "output.name": "watched", "train.rounds": 2, "data.train_limit": 30,
+                   "data.test_limit": 9}, on_round=on_round)
+    assert printed == ["round 1/2: test accuracy 0.795 (1000 questions), train loss 0.090, 169 s",
+                       "round 2/2: test accuracy 0.800 (1000 questions)"]
 
 
 @pytest.mark.parametrize(("status", "allow", "code"), [
