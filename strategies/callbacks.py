@@ -84,7 +84,8 @@ class RunFolder:
                 f"{', '.join(RESUMABLE_KEYS)} may change on resume — use another output.name"
             )
         trained_on = self._weights_trained_on()
-        if trained_on and trained_on != self.weights and "not built" not in self.weights:
+        # A side not built yet names no weights to compare (a run may start before its first load builds them).
+        if trained_on and trained_on != self.weights and "not built" not in trained_on + self.weights:
             raise ValueError(
                 f"run folder {path} was trained on {trained_on}, but {config.model.profile} now loads "
                 f"{self.weights}: its rounds belong to another model — use another output.name"

@@ -72,3 +72,6 @@ def test_a_folder_whose_rounds_were_trained_on_other_weights_is_not_resumed(run_
     (folder.path / "status.json").write_text(json.dumps({**status, "weights": "mini-scenes recipe 0ld, weights 0ld"}))
     with pytest.raises(ValueError, match="was trained on mini-scenes recipe 0ld, weights 0ld, but .* now loads"):
         RunFolder(config, folder.path)
+    # A status written before the model was built names no weights: nothing to compare.
+    (folder.path / "status.json").write_text(json.dumps({**status, "weights": "mini-scenes recipe 0ld, not built"}))
+    RunFolder(config, folder.path)
