@@ -16,7 +16,7 @@ weights or settings; --redo measures the named parts again):
   patches, from the tokens outside it, and at the first USL cut with the mark pruned.
 - scorer: for each prepared DTP folder given with --dtp (pruning.artifacts), its relevance
   map's top-k recall of the oracle patches, its sensitivity map's AUROC for the mark patches,
-  and the oracle ratio histogram it was trained on, by search direction.
+  and the oracle ratio histogram it was trained on, by search direction and fixed scorer.
 - memorisation: benchmarks/testbed_memorisation.py's measure_memorisation() (imported only
   when this part is asked for), stored as the key "memorisation".
 
@@ -528,7 +528,7 @@ def measure_scorer(bed: Testbed, folder: Path) -> dict[str, Any]:
     oracle = report.get("stages", {}).get("oracle", {})
     return {
         "folder": str(folder),
-        "settings": {key: settings.get(key) for key in ("profile", "alpha", "beta", "direction", "datasets", "bags",
+        "settings": {key: settings.get(key) for key in ("profile", "alpha", "beta", "direction", "fixed_scorer", "datasets", "bags",
                                                          "samples", "oracle_samples", "grid", "seed")},
         "relevance_topk_recall": bootstrap_mean(recalls, bed.args.seed) | {
             "chance": statistics.fmean(chance), "questions_without_needed_patches": len(test) - len(recalls)},
@@ -822,14 +822,15 @@ def largest_ratio_share(histogram: dict[str, int] | None) -> float | None:
 
 def scorer_section(results: dict[str, Any]) -> str:
     title = "## 4. The DTP scorer"
-    header = ["DTP folder (direction, α)", "measure", "target", "measured", "95% interval", "n", "result"]
+    header = ["DTP folder (oracle direction, its fixed scorer, α)", "measure", "target", "measured", "95% interval", "n", "result"]
     rows, histograms = [], []
     for name, part in results.get("parts", {}).items():
         if not name.startswith("scorer:") or "result" not in part:
             continue
         r = part["result"]
         recall, auroc = r["relevance_topk_recall"], r["sensitivity_mark_auroc"]
-        label = f"`{Path(r['folder']).name}` ({r['settings']['direction']}, α={r['settings']['alpha']:g})"
+        scorer = r["settings"].get("fixed_scorer") or "pretrained"
+        label = f"`{Path(r['folder']).name}` ({r['settings']['direction']}, {scorer}, α={r['settings']['alpha']:g})"
         rows.append([label, f"relevance u: top-k recall of oracle patches (chance {pct(recall['chance'])})",
                      f"≥ {pct(TARGET_RELEVANCE_RECALL)}", pct(recall["value"]), interval(recall), recall["n"],
                      verdict(recall["value"] >= TARGET_RELEVANCE_RECALL)])

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--bag-samples", type=int, default=DEFAULTS.bag_samples, help="images per bag set and split")
     prepare.add_argument("--grid", type=float, nargs="+", default=list(DEFAULTS.grid), help="oracle prune ratios")
     prepare.add_argument(
-        "--direction", default=DEFAULTS.direction, help="smallest (paper) or largest still-correct ratio"
+        "--direction", default=DEFAULTS.direction,
+        help="smallest (paper) or largest: the first matching ratio scanning from that end; "
+             "stable: the largest ratio up to which every grid ratio matches",
     )
     prepare.add_argument(
         "--fixed-scorer",

@@ -90,7 +90,11 @@ from vqa import (
 from vqa.registry import select_rows
 
 ORACLE_GRID = (0.10, 0.20, 0.30, 0.50, 0.70)
-DIRECTIONS = ("smallest", "largest")
+# "smallest" and "largest" keep the first matching ratio scanning from their end; "stable" keeps
+# the largest ratio up to which every grid ratio matches: one lucky match on a yes/no or count
+# question cannot carry a sample to the grid's top, as it does for "largest" when a short answer
+# is guessed right from a few random tokens.
+DIRECTIONS = ("smallest", "largest", "stable")
 # The fixed scorer's Wq/Wk: "pretrained" takes the encoders' relevance read-out where they have
 # one (trained towers) and stays random otherwise; "random" always stays random.
 FIXED_SCORERS = ("pretrained", "random")
@@ -356,10 +360,11 @@ Matcher = Callable[[float, Sequence[VQASample]], list[bool]]
 def search_oracle(
     samples: Sequence[VQASample], grid: Sequence[float], direction: str, matches: Matcher
 ) -> dict[str, float]:
-    """ρ* per sample (by `oracle_key`): the first grid ratio in scan order whose pruned
-    answer matches — the smallest matching ratio for "smallest" (scan small to large),
-    the largest for "largest" (large to small) — or NO_MATCH_RATIO. `matches(ρ, batch)`
-    answers a batch pruned at ρ; a sample is never asked again once it has matched."""
+    """ρ* per sample (by `oracle_key`). "smallest" scans small to large and "largest" large to
+    small, each keeping the first ratio whose pruned answer matches; "stable" scans small to
+    large and keeps the last ratio before the first miss. A sample that no ratio keeps
+    correct (for "stable": that misses at the smallest) gets NO_MATCH_RATIO. `matches(ρ, batch)`
+    answers a batch pruned at ρ; a sample whose ratio is decided is never asked again."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r}; allowed: {', '.join(DIRECTIONS)}")
     found: dict[str, float] = {}
@@ -368,8 +373,10 @@ def search_oracle(
         if not pending:
             break
         matched = matches(ratio, pending)
-        found.update({oracle_key(sample): ratio for sample, hit in zip(pending, matched, strict=True) if hit})
-        pending = [sample for sample, hit in zip(pending, matched, strict=True) if not hit]
+        hits = [sample for sample, hit in zip(pending, matched, strict=True) if hit]
+        misses = [sample for sample, hit in zip(pending, matched, strict=True) if not hit]
+        found.update({oracle_key(sample): ratio for sample in hits})
+        pending = hits if direction == "stable" else misses
     return {oracle_key(sample): found.get(oracle_key(sample), NO_MATCH_RATIO) for sample in samples}
 
 

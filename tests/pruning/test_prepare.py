@@ -86,6 +86,19 @@ def test_the_oracle_keeps_the_first_matching_ratio_in_its_scan_order(direction, 
     assert calls == [(scan[0], ["b"])]
 
 
+def test_the_stable_oracle_keeps_the_last_ratio_before_the_first_miss(samples):
+    # b's lucky match at 0.7 after a miss at 0.2 does not count; e matches everywhere.
+    table = {"a": {0.3, 0.5}, "b": {0.1, 0.7}, "c": set(), "d": {0.1, 0.2, 0.3}, "e": set(ORACLE_GRID)}
+    batch = [replace(samples[0], id=name) for name in table]
+    matches, calls = correct_at(table)
+    ratios = search_oracle(batch, ORACLE_GRID, "stable", matches)
+    expected = {"a": NO_MATCH_RATIO, "b": 0.1, "c": NO_MATCH_RATIO, "d": 0.3, "e": max(ORACLE_GRID)}
+    assert ratios == {oracle_key(sample): expected[sample.id] for sample in batch}
+    # A sample leaves the scan at its first miss.
+    asked = [name for _, names in calls for name in names]
+    assert {name: asked.count(name) for name in table} == {"a": 1, "b": 2, "c": 1, "d": 4, "e": len(ORACLE_GRID)}
+
+
 def test_the_grid_is_scanned_in_order_whatever_order_it_is_given_in():
     settings = PrepareSettings(grid=(0.5, 0.1, 0.3))
     assert settings.grid == (0.1, 0.3, 0.5)
