@@ -105,9 +105,11 @@ def bootstrap_mean(values: Sequence[float], seed: int) -> dict[str, Any]:
 
 
 def random_keep_indices(sample_id: str, num_patches: int, share_kept: float, seed: int) -> list[int]:
-    """A seeded random share of the patches (at least one), per sample, in grid order."""
-    count = max(1, round(share_kept * num_patches))
-    return sorted(random.Random(f"{seed}:{sample_id}").sample(range(num_patches), count))
+    """A seeded random share of the patches (at least one), per sample, in grid order: the keep
+    set of pruning policy "random" at that budget."""
+    from pruning.policies.random_keep import random_keep
+
+    return random_keep(sample_id, num_patches, max(1, round(share_kept * num_patches)), seed)
 
 
 def oracle_keep_indices(

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, make_dataclass
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,21 +134,39 @@ class WireConfig:
 
 
 @dataclass
-class PruningConfig:
-    # A registered policy (pruning.policies): off, fixed, dtp, oracle.
+class PruningShared:
+    # A registered policy (pruning.policies; docs/pruning.md lists them): off, fixed, dtp, oracle, random, dart, …
     policy: str = "off"
-    # The prune ratio of policy "fixed" (the paper's grid: 0.3, 0.5, 0.7, 0.9).
-    ratio: float = 0.0
     # Fusion c = alpha·u − beta·s; alpha = 0 ranks by privacy alone (the paper's best medical setting).
     alpha: float = 1.0
     beta: float = 1.0
     # The folder "prepare DTP" wrote (dtp.pt, oracle.pt); "": none (fixed then ranks with an untrained scorer).
     artifacts: str = ""
-    # Seed of that untrained scorer.
+    # Seed of that untrained scorer, and of policy "random"'s draws.
     seed: int = 0
     # Real encoders (llava-1.5-7b): local folders or hub ids in the HF cache; "": the profile's hub ids.
     text_source: str = ""
     dino_source: str = ""
+
+
+def _policy_option_fields() -> list[tuple[str, type, Any]]:
+    """Every registered policy's own options, as flat `pruning.<option>` keys with the policy's
+    default (each explained in its Options dataclass). Policies that share an option (the
+    budget `ratio`) share its key, so they must agree on its default."""
+    found: dict[str, tuple[str, type, Any]] = {}
+    for policy in POLICIES:
+        defaults = policy.Options()
+        for option in fields(policy.Options):
+            default = getattr(defaults, option.name)
+            if option.name in found and found[option.name][2].default != default:
+                raise TypeError(f"pruning policies disagree on the default of pruning.{option.name}: "
+                                f"{found[option.name][2].default!r} and {default!r} (policy {policy.name})")
+            found.setdefault(option.name, (option.name, option.type, field(default=default)))
+    return list(found.values())
+
+
+# The shared settings and every policy's own (a policy's module is all it takes to add one).
+PruningConfig = make_dataclass("PruningConfig", _policy_option_fields(), bases=(PruningShared,))
 
 
 # Defenses at the cut (privacy/): `defenses` names the active ones in order, comma-separated

@@ -45,11 +45,11 @@ from pruning.module import (
 )
 from pruning.policies import (
     POLICIES,
-    FixedOptions,
     KeepAll,
     NoOptions,
     PolicyContext,
     PolicySpec,
+    RatioOptions,
     ScoredSelector,
     Selection,
     VisualTokenSelector,
@@ -79,7 +79,6 @@ __all__ = [
     "ORACLE_FILE",
     "ArtifactError",
     "ExclusionSummary",
-    "FixedOptions",
     "FrozenEncoders",
     "KeepAll",
     "KeepCountSummary",
@@ -93,6 +92,7 @@ __all__ = [
     "PruningProfile",
     "QPrivVL",
     "QPrivVLOutput",
+    "RatioOptions",
     "RelevanceReadout",
     "ScoredSelector",
     "Selection",

@@ -1,8 +1,8 @@
 """Pruning policies: a registry of named ways to choose each sample's visual tokens.
 
 The interface and the registry are pruning.policies.base; each other module of this package
-registers its policies (off; qpriv_vl: fixed, dtp, oracle) and is imported here, so a policy's
-module registers it by being in the folder.
+registers its policies and is imported here, so a policy's module registers it by being in
+the folder (`qpriv_vl` registers fixed, dtp and oracle).
 """
 
 from pruning.policies.base import (
@@ -10,6 +10,7 @@ from pruning.policies.base import (
     NoOptions,
     PolicyContext,
     PolicySpec,
+    RatioOptions,
     Selection,
     VisualTokenSelector,
     build_policy,
@@ -19,12 +20,12 @@ from pruning.policies.base import (
     register_policy,
 )
 from pruning.policies.off import KeepAll
-from pruning.policies.qpriv_vl import FixedOptions, ScoredSelector
+from pruning.policies.qpriv_vl import ScoredSelector
 from registry import import_modules
 
 import_modules(__name__)
 
 __all__ = [
-    "POLICIES", "FixedOptions", "KeepAll", "NoOptions", "PolicyContext", "PolicySpec", "ScoredSelector", "Selection",
+    "POLICIES", "KeepAll", "NoOptions", "PolicyContext", "PolicySpec", "RatioOptions", "ScoredSelector", "Selection",
     "VisualTokenSelector", "build_policy", "get_policy", "policy_names", "policy_options", "register_policy",
 ]

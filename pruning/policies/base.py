@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from registry import Registry, check_names_an_option
+from registry import OptionError, Registry, check_names_an_option
 from vqa import VQASample
 
 
@@ -70,6 +70,20 @@ class NoOptions:
 
     def validate(self) -> None:
         pass
+
+
+@dataclass
+class RatioOptions:
+    """The options of a policy that prunes the same share of every sample's patches, keeping
+    k = max(k_min, round((1 − ratio)·N)); policies sharing this budget share its run-config key,
+    so a sweep sets them to equal token counts with one value."""
+
+    # The share of each sample's patches pruned (QPriv-VL's grid: 0.3, 0.5, 0.7, 0.9).
+    ratio: float = 0.0
+
+    def validate(self) -> None:
+        if not 0 <= self.ratio < 1:
+            raise OptionError("ratio", self.ratio, "a share in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,21 +26,17 @@ from pruning.artifacts import (
 from pruning.encoders import FrozenEncoders
 from pruning.inputs import PruningInputCache
 from pruning.module import QPrivVL, QPrivVLOutput, build_qpriv_vl, keep_indices
-from pruning.policies.base import PolicyContext, PolicySpec, Selection, VisualTokenSelector, register_policy
+from pruning.policies.base import (
+    PolicyContext,
+    PolicySpec,
+    RatioOptions,
+    Selection,
+    VisualTokenSelector,
+    register_policy,
+)
 from pruning.profiles import PruningProfile, get_pruning_profile
 from pruning.towers import adopt_readout, load_encoders
-from registry import OptionError
 from vqa import VQASample
-
-
-@dataclass
-class FixedOptions:
-    # The share of each sample's patches pruned (the paper's grid: 0.3, 0.5, 0.7, 0.9).
-    ratio: float = 0.0
-
-    def validate(self) -> None:
-        if not 0 <= self.ratio < 1:
-            raise OptionError("ratio", self.ratio, "a share in [0, 1)")
 
 
 RatioSource = Callable[[QPrivVLOutput, Sequence[VQASample]], Sequence[float] | torch.Tensor]
@@ -161,6 +156,6 @@ def _build_oracle(context: PolicyContext) -> VisualTokenSelector:
     return ScoredSelector(scorer.to(context.device), inputs, OracleRatio(ratios, folder / ORACLE_FILE))
 
 
-register_policy(PolicySpec("fixed", _build_fixed, FixedOptions, budget="ratio"))
+register_policy(PolicySpec("fixed", _build_fixed, RatioOptions, budget="ratio"))
 register_policy(PolicySpec("dtp", _build_dtp, required_artifact=DTP_FILE))
 register_policy(PolicySpec("oracle", _build_oracle, required_artifact=ORACLE_FILE))

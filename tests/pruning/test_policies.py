@@ -8,17 +8,19 @@ import torch
 
 from pruning import (
     ArtifactError,
-    FixedOptions,
     FrozenEncoders,
     KeepAll,
     PolicyContext,
     PolicySpec,
+    RatioOptions,
     build_policy,
     build_qpriv_vl,
+    get_policy,
     keep_count,
     load_dtp,
     oracle_key,
     policy_names,
+    policy_options,
     register_policy,
     save_dtp,
     save_oracle,
@@ -28,7 +30,10 @@ from vlm.mini.tokenizer import build_word_tokenizer
 
 PAPER_GRID = (0.3, 0.5, 0.7, 0.9)
 # Policy name and its fixed ratio (None where the policy ignores it).
-POLICIES = [("off", None), *[("fixed", ratio) for ratio in PAPER_GRID], ("dtp", None), ("oracle", None)]
+POLICIES = [("off", None), *[("fixed", ratio) for ratio in PAPER_GRID], ("dtp", None), ("oracle", None),
+            ("random", 0.5), ("dart", 0.7)]
+# The policies that rank by a QPriv-VL module (the others keep by a rule of their own).
+SCORED = ("fixed", "dtp", "oracle")
 
 
 def oracle_ratios(samples) -> dict[str, float]:
@@ -48,10 +53,15 @@ def artifacts(tmp_path, profile, encoders, samples):
 def context(profile, tokenizer, samples, artifacts):
     def make(ratio: float = 0.0, **overrides) -> PolicyContext:
         settings = dict(profile=profile.name, tokenizer=tokenizer, samples=samples, artifacts=artifacts,
-                        options=FixedOptions(ratio) if ratio else None)
+                        options=RatioOptions(ratio) if ratio else None)
         return PolicyContext(**{**settings, **overrides})
 
     return make
+
+
+def options_for(policy: str, ratio: float | None):
+    """The policy's own options with its budget at `ratio` (None: its defaults)."""
+    return policy_options(get_policy(policy), {"ratio": ratio}) if ratio else None
 
 
 def features_for(profile, batch: int, seed: int = 0) -> torch.Tensor:
@@ -59,23 +69,23 @@ def features_for(profile, batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, profile.num_patches, profile.vision_hidden_size, generator=generator)
 
 
-def test_the_registry_holds_the_papers_policies():
-    assert policy_names() == ["off", "fixed", "dtp", "oracle"]
+def test_the_registry_holds_the_papers_policies_first():
+    assert policy_names()[:4] == ["off", "fixed", "dtp", "oracle"]
     with pytest.raises(ValueError, match="already registered"):
         register_policy(PolicySpec("off", lambda context: KeepAll()))
-    with pytest.raises(ValueError, match="no pruning policy named 'random'; registered: off, fixed, dtp, oracle"):
-        build_policy("random", PolicyContext(profile="tiny"))
+    with pytest.raises(ValueError, match="no pruning policy named 'nonexistent'; registered: off, fixed, dtp, oracle"):
+        build_policy("nonexistent", PolicyContext(profile="tiny"))
 
 
 @pytest.mark.parametrize(("policy", "ratio"), POLICIES)
 def test_every_policy_keeps_ascending_indices_as_many_as_its_ratio_says(policy, ratio, context, profile, samples):
-    selector = build_policy(policy, context(ratio=ratio or 0.0))
+    selector = build_policy(policy, context(options=options_for(policy, ratio)))
     batch = samples[:6]
     features = features_for(profile, len(batch))
     keep = selector(features, batch).keep
     if policy == "off":
         counts = [profile.num_patches] * len(batch)
-    elif policy == "fixed":
+    elif get_policy(policy).budget == "ratio":
         counts = [keep_count(ratio, profile.num_patches, profile.k_min)] * len(batch)
     elif policy == "dtp":
         predicted = selector.score(features, batch).ratio
@@ -104,7 +114,7 @@ def test_the_oracle_keeps_k_min_where_no_ratio_kept_the_answer(context, profile,
     assert {len(indices) for indices in keep} == {profile.k_min}
 
 
-@pytest.mark.parametrize("policy", ["fixed", "dtp", "oracle"])
+@pytest.mark.parametrize("policy", SCORED)
 def test_scored_policies_keep_the_top_of_their_modules_fused_score(policy, context, profile, samples):
     selector = build_policy(policy, context(ratio=0.5 if policy == "fixed" else 0.0))
     batch, features = samples[:4], features_for(profile, 4)
@@ -149,9 +159,9 @@ def test_alpha_zero_prunes_the_most_sensitive_patches(context, profile, samples)
 
 @pytest.mark.parametrize(("policy", "ratio"), POLICIES)
 def test_one_pass_of_the_module_gives_the_keep_indices_and_the_sensitivity_map(policy, ratio, context, profile, samples):
-    selector = build_policy(policy, context(ratio=ratio or 0.0))
+    selector = build_policy(policy, context(options=options_for(policy, ratio)))
     batch, features = samples[:3], features_for(profile, 3)
-    if policy == "off":
+    if policy not in SCORED:
         assert selector(features, batch).sensitivity is None
         return
     passes = []
