@@ -76,7 +76,8 @@ TARGET_RELEVANCE_RECALL = 0.80
 TARGET_SENSITIVITY_AUROC = 0.95
 TARGET_LARGEST_RATIO_SHARE = 0.60  # no oracle ratio may hold more of the samples
 # The memorisation points' columns first in this order (benchmarks/testbed_memorisation.py's rows).
-MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "members", "non_members")
+MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "mia_auc_low", "mia_auc_high",
+                        "members", "non_members")
 
 
 # --- statistics -------------------------------------------------------------------------------
@@ -875,11 +876,14 @@ def memorisation_section(results: dict[str, Any]) -> str:
     lines = [title, ""]
     if isinstance(data, dict) and data.get("target_auc") is not None:
         final = [p for p in points_list if p.get("epochs")]
+        best = next((p for p in final if p.get("mia_auc") == data.get("best_auc")), {})
+        best_interval = (f"[{best['mia_auc_low']:.3f}, {best['mia_auc_high']:.3f}] ({best['point']}, "
+                         f"{best['epochs']:g} epochs)" if "mia_auc_low" in best else "—")
         lines += [markdown_table(
             ["measure", "target", "measured", "95% interval", "n", "result"],
             [["best loss-MIA AUC of a fine-tuned model that beats the question-only baseline "
               f"({pct(data.get('question_only_accuracy'))})", f"≥ {data['target_auc']:g}",
-              cell(data.get("best_auc")), "—",
+              cell(data.get("best_auc")), best_interval,
               f"{max((p.get('members') or 0) for p in final) if final else '—'} members per point",
               verdict(data.get("reached_target"))]]), ""]
     extra = ({k: v for k, v in data.items() if k not in ("points", "target_auc", "best_auc", "reached_target")

@@ -118,8 +118,15 @@ def _committed_round(folder: Path) -> int:
 
 
 def _mia_row(result: Any) -> dict[str, Any]:
+    """The attack's metrics, with the AUC's 95% interval: a bootstrap over the scored rows."""
+    from analysis.stats import bootstrap_auroc
+
     metrics = result.metrics
-    return {"mia_auc": metrics.get("auc"), "mia_tpr_at_fpr_0.01": metrics.get("tpr_at_fpr_0.01"),
+    scores = result.outputs["scores"].numpy()[:, None]
+    labels = result.outputs["is_member"].numpy().astype(int)[:, None]
+    auc = bootstrap_auroc(scores, labels)
+    return {"mia_auc": metrics.get("auc"), "mia_auc_low": auc.low, "mia_auc_high": auc.high,
+            "mia_tpr_at_fpr_0.01": metrics.get("tpr_at_fpr_0.01"),
             "mia_tpr_at_fpr_0.001": metrics.get("tpr_at_fpr_0.001"), "mia_attack_success": metrics.get("attack_success"),
             "members": result.details.get("members"), "non_members": result.details.get("non_members")}
 

@@ -149,7 +149,8 @@ def hand_made_results() -> dict:
         "memorisation": {"target_auc": 0.9, "best_auc": 0.74, "reached_target": False,
                          "question_only_accuracy": 0.45, "points": [
             {"train_rows": 500, "epochs": 1, "test_accuracy": 0.81, "mia_auc": 0.52, "n": 1000},
-            {"train_rows": 100, "epochs": 8, "test_accuracy": 0.6, "mia_auc": 0.74, "n": 200},
+            {"point": "rows-100", "train_rows": 100, "epochs": 8, "test_accuracy": 0.6, "mia_auc": 0.74,
+             "mia_auc_low": 0.68, "mia_auc_high": 0.8, "n": 200},
         ]},
     }
 
@@ -182,10 +183,10 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
                and "**FAIL**" in line for line in lines)
     assert "- `dtp-a` (largest, pretrained, α=1), held out: 0.10: 7, 1.00: 3" in lines
     # The memorisation points come from the other helper's dict as they are.
-    assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 |" in line and "**FAIL**" in line
-               for line in lines)
-    assert "| train_rows | epochs | test_accuracy | mia_auc | n |" in lines
-    assert "| 100 | 8 | 0.600 | 0.740 | 200 |" in lines
+    assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 | [0.680, 0.800] (rows-100, 8 epochs) |" in line
+               and "**FAIL**" in line for line in lines)
+    assert "| point | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | n |" in lines
+    assert "| rows-100 | 100 | 8 | 0.600 | 0.740 | 0.680 | 0.800 | 200 |" in lines
     assert "| accuracy | 12 | 1.00 | 2.00 |" in lines
 
 

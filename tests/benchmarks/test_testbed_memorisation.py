@@ -150,7 +150,7 @@ def test_the_curve_on_a_tiny_stand_in_records_each_point_at_each_epoch(tmp_path)
         assert row["train_rows"] in (4, 8)
         # As many members as non-members: the smaller of the training rows and the 6 test rows.
         assert row["members"] == row["non_members"] == min(row["train_rows"], 6)
-        assert 0.0 <= row["mia_auc"] <= 1.0
+        assert 0.0 <= row["mia_auc_low"] <= row["mia_auc"] <= row["mia_auc_high"] <= 1.0
         assert row["test_accuracy"] is not None and row["test_count"] == 6
     last = four[-1]
     assert set(last["test_accuracy_by_kind"]) <= {"location", "relation", "exist", "count", "unanswerable"}
