@@ -542,6 +542,8 @@ def measure_scorer(bed: Testbed, folder: Path) -> dict[str, Any]:
         "oracle_histogram": {part: oracle.get(part, {}).get("histogram") for part in ("train", "held_out")},
         "oracle_unpruned_match_rate": {part: oracle.get(part, {}).get("unpruned_match_rate")
                                        for part in ("train", "held_out")},
+        # How well the student's ρ̂ tracks ρ* (prepare's report): what DTP adds over a fixed ratio.
+        "student_fit_to_oracle": report.get("stages", {}).get("student", {}).get("fit_to_oracle", {}),
     }
 
 
@@ -846,6 +848,11 @@ def scorer_section(results: dict[str, Any]) -> str:
             rows.append([label, f"oracle ρ*: largest share of one ratio ({split.replace('_', ' ')})",
                          f"≤ {pct(TARGET_LARGEST_RATIO_SHARE)}", pct(largest), "—", sum((histogram or {}).values()),
                          verdict(None if largest is None else largest <= TARGET_LARGEST_RATIO_SHARE)])
+            fit = r.get("student_fit_to_oracle", {}).get(split)
+            if fit:
+                rows.append([label, f"student ρ̂ against oracle ρ* ({split.replace('_', ' ')}): mean absolute error "
+                             f"(guessing the mean: {fit['constant_mae']:.3f}); Pearson r {fit['pearson']:.2f}",
+                             "—", f"{fit['mae']:.3f}", "—", fit["count"], "—"])
             histograms.append(f"- {label}, {split.replace('_', ' ')}: "
                               + (", ".join(f"{ratio}: {count}" for ratio, count in histogram.items()) if histogram else "—"))
     if not rows:

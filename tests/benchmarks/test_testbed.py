@@ -137,7 +137,8 @@ def hand_made_results() -> dict:
                 "folder": "/x/dtp-a", "settings": {"direction": "largest", "alpha": 1.0},
                 "relevance_topk_recall": {**measured(0.72, 300), "chance": 0.07},
                 "sensitivity_mark_auroc": measured(0.99, 250),
-                "oracle_histogram": {"train": {"0.10": 5, "0.50": 5}, "held_out": {"0.10": 7, "1.00": 3}}}},
+                "oracle_histogram": {"train": {"0.10": 5, "0.50": 5}, "held_out": {"0.10": 7, "1.00": 3}},
+                "student_fit_to_oracle": {"held_out": {"count": 10, "mae": 0.2, "constant_mae": 0.25, "pearson": 0.4}}}},
             "accuracy": {"key": {}, "result": accuracy, "seconds": 12.0, "load_average_before": [1.0, 1, 1],
                          "load_average_after": [2.0, 1, 1]},
             "probes": {"key": {}, "seconds": 3.0, "load_average_before": [1.0, 1, 1], "load_average_after": [1.5, 1, 1],
@@ -182,6 +183,8 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     assert any(line.startswith(f"{scorer} oracle ρ*: largest share of one ratio (held out)") and "| 70.0% |" in line
                and "**FAIL**" in line for line in lines)
     assert "- `dtp-a` (largest, pretrained, α=1), held out: 0.10: 7, 1.00: 3" in lines
+    assert any(line.startswith(f"{scorer} student ρ̂ against oracle ρ* (held out)") and "(guessing the mean: 0.250); "
+               "Pearson r 0.40 | — | 0.200 | — | 10 | — |" in line for line in lines)
     # The memorisation points come from the other helper's dict as they are.
     assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 | [0.680, 0.800] (rows-100, 8 epochs) |" in line
                and "**FAIL**" in line for line in lines)
