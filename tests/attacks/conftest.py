@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attacks.knowledge import AttackerKnowledge
+from attacks.knowledge import AttackerKnowledge, split_packed
 from attacks.recording import Recorder, Recording
 from attacks.truth import StaticTruth
 from config import SimConfig, load_config
@@ -104,6 +104,26 @@ def _client_activation(
 @pytest.fixture
 def client_activation():
     return _client_activation
+
+
+def _swap_images_within_batch(knowledge: AttackerKnowledge):
+    """A 'defense' that sends each sample's visual rows under its neighbour's text: the rows keep
+    their distribution but no longer show the sample's own image."""
+    prefix, visual = knowledge.prefix_ids.numel(), knowledge.num_patches
+
+    def defense(tensors):
+        samples = [rows.clone() for rows in split_packed(tensors["rows"], tensors["lengths"])]
+        images = [rows[prefix : prefix + visual].clone() for rows in samples]
+        for i, rows in enumerate(samples):
+            rows[prefix : prefix + visual] = images[(i + 1) % len(samples)]
+        return {**tensors, "rows": torch.cat(samples)}
+
+    return defense
+
+
+@pytest.fixture
+def swap_images_within_batch():
+    return _swap_images_within_batch
 
 
 Defense = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]

@@ -8,27 +8,11 @@ import torch
 
 from attacks import build_attack
 from attacks.context import ReplayContext
-from attacks.knowledge import split_packed
 from privacy.edge import edge_vision_tokens
 from training.defenses import build_defenses, describe_defenses
 from vlm.lora import decoder_layer_index, lora_parameters
 
 FAST = {"substitute_steps": 30, "decoder_steps": 400, "decoder_width": 64, "progress": False}
-
-
-def swap_images_within_batch(knowledge):
-    """A 'defense' that sends each sample's visual rows under its neighbour's text: the rows keep
-    their distribution but no longer show the sample's own image."""
-    prefix, visual = knowledge.prefix_ids.numel(), knowledge.num_patches
-
-    def defense(tensors):
-        samples = [rows.clone() for rows in split_packed(tensors["rows"], tensors["lengths"])]
-        images = [rows[prefix : prefix + visual].clone() for rows in samples]
-        for i, rows in enumerate(samples):
-            rows[prefix : prefix + visual] = images[(i + 1) % len(samples)]
-        return {**tensors, "rows": torch.cat(samples)}
-
-    return defense
 
 
 def test_fora_beats_the_mean_image_when_nothing_is_defended(knowledge, victims, aux, record_activations):
@@ -41,7 +25,7 @@ def test_fora_beats_the_mean_image_when_nothing_is_defended(knowledge, victims, 
 
 
 def test_fora_does_no_better_than_the_mean_image_when_the_rows_show_another_image(
-    knowledge, victims, aux, record_activations
+    knowledge, victims, aux, record_activations, swap_images_within_batch
 ):
     recording, truth = record_activations(victims[:32], defense=swap_images_within_batch(knowledge))
     result = build_attack("fora", knowledge, **FAST).fit(aux).run(recording, truth)

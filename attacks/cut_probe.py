@@ -1,0 +1,168 @@
+"""The cut probe: a passive server reads the stamped digit straight from the rows a client sends at the first cut.
+
+FORA and FSHA read the mark back from a reconstructed image, so a weak inverse network and a
+mark that never crossed the cut look alike. This attacker skips the image: a linear probe
+(scikit-learn's logistic regression on standardised rows) reads the digit from a sample's
+visual rows pooled two ways, their mean and their elementwise max (the mark may sit in one
+row, or be spread over all of them by the front's attention).
+
+What it knows (Kerckhoffs): the public model, whose front it runs on its own stamped
+auxiliary images, and their digits (the public split's mark records, `vqa.mark_records`);
+the run's pruning policy with its settings, built from the run's config as a client builds
+it (`policy_aware`; with a trained policy, DTP, that includes the run's prepared artefacts),
+so its auxiliary rows come from the keep sets the client's policy would choose; without the
+run's config, random keep sets of the observed sizes. With `adaptive`, its rows also pass
+through the run's edge and activation defenses (attacks.adaptive). It does not know the
+client's private adapters: its front is the public one, not fitted to the observations.
+
+Read-back is the probe's accuracy on the observed samples whose images carry a mark, beside
+the most frequent digit's share among them (what a guess reads).
+"""
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from attacks.adaptive import AdaptiveAttack
+from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, register_attack
+from attacks.observations import VisualObservation, VisualSpans, fewer_visual_rows, visual_observations
+from attacks.recording import Recording
+from training.selector import build_selector
+from vqa import VQASample, is_stamped, mark_records
+from vqa.stamping import MarkRecord
+
+
+@dataclass
+class CutProbeOptions:
+    # At most this many stamped auxiliary images train the probe.
+    max_aux: int = 2000
+    # scikit-learn's C: the inverse strength of the probe's L2 regularisation.
+    regularisation: float = 1.0
+    # Auxiliary keep sets from the run's own pruning policy (False: random ones of the observed sizes).
+    policy_aware: bool = True
+    # Also pass the auxiliary rows through the run's edge and activation defenses.
+    adaptive: bool = False
+    seed: int = 0
+    # Images per forward pass of the attacker's front.
+    batch_size: int = 64
+    progress: bool = True
+
+
+def public_mark(sample: VQASample) -> MarkRecord | None:
+    """The mark of an auxiliary image, from its split's public records (None: a plain image)."""
+    if not is_stamped(sample.dataset):
+        return None
+    return _records(sample.dataset, sample.split).get(sample.image_id)
+
+
+_RECORDS: dict[tuple[str, str], dict[str, MarkRecord]] = {}
+
+
+def _records(dataset: str, split: str) -> dict[str, MarkRecord]:
+    if (dataset, split) not in _RECORDS:
+        _RECORDS[dataset, split] = mark_records(dataset, split)
+    return _RECORDS[dataset, split]
+
+
+def pooled(rows: Sequence[torch.Tensor]) -> np.ndarray:
+    """Each sample's visual rows [k_b, D] -> [mean, max] over its rows, [n, 2D]."""
+    return np.stack([torch.cat([r.float().mean(0), r.float().amax(0)]).cpu().numpy() for r in rows])
+
+
+class CutProbe(AdaptiveAttack):
+    name = "cut_probe"
+    threat_model = PASSIVE
+    kind = IMAGE
+    reads = (ACTIVATION,)
+    headline = ("mark_readback",)
+    Options = CutProbeOptions
+
+    def fit(self, aux: Sequence[VQASample]) -> "CutProbe":
+        """Keeps the stamped auxiliary images, their digits and their frozen vision features."""
+        k, o = self.knowledge, self.options
+        marked = [(sample, mark) for sample in aux if (mark := public_mark(sample)) is not None][: o.max_aux]
+        digits = {mark.digit for _, mark in marked}
+        if len(digits) < 2:
+            raise ValueError(f"cut_probe trains on stamped auxiliary images with at least two digits; {len(marked)} of "
+                             f"the {len(aux)} auxiliary samples carry a mark ({sorted(digits)}): give it a stamped "
+                             "dataset's split (threat.aux_split of a *-stamped dataset)")
+        self.aux = [sample for sample, _ in marked]
+        self.aux_digits = np.array([mark.digit for _, mark in marked])
+        self.aux_features = k.features(k.pixel_values(self.aux))
+        return self
+
+    def _aux_keep(self, counts: Sequence[int]) -> tuple[list[torch.Tensor], str]:
+        """The auxiliary images' keep sets, and where they came from."""
+        k, o = self.knowledge, self.options
+        config = self.run_config
+        if o.policy_aware and config is not None:
+            selector = build_selector(config, tokenizer=k.tokenizer, samples=self.aux, device=k.device)
+            keep = [indices.cpu() for start in range(0, len(self.aux), o.batch_size)
+                    for indices in selector(self.aux_features[start : start + o.batch_size].to(k.device),
+                                            self.aux[start : start + o.batch_size]).keep]
+            return keep, f"the run's policy ({config.pruning.policy})"
+        generator = torch.Generator().manual_seed(o.seed)
+        chosen = torch.randint(len(counts), (len(self.aux),), generator=generator)
+        keep = [torch.randperm(k.num_patches, generator=generator)[: counts[int(i)]].sort().values for i in chosen]
+        return keep, "random, of the observed sizes"
+
+    @torch.no_grad()
+    def probe(self, counts: Sequence[int]) -> tuple[object, str]:
+        """The probe, trained on the attacker's own rows for its stamped auxiliary images."""
+        if not hasattr(self, "aux_features"):
+            raise RuntimeError("CutProbe.fit(aux) must run before the probe is trained")
+        keep, source = self._aux_keep(counts)
+        step = max(1, self.options.batch_size)
+        rows = [row for start in range(0, len(self.aux), step) for row in self.attacker_rows(
+            self.knowledge.model, self.aux_features[start : start + step], self.aux[start : start + step],
+            keep[start : start + step])[0]]
+        classifier = make_pipeline(StandardScaler(), LogisticRegression(C=self.options.regularisation, max_iter=2000))
+        return classifier.fit(pooled(rows), self.aux_digits), source
+
+    def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
+        k = self.knowledge
+        self.resolve_defenses(recording)
+        spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
+        observations = visual_observations(recording, k, attack=self.name, spans=spans)
+        classifier, source = self.probe([obs.rows.shape[0] for obs in observations])
+        predicted = classifier.predict(pooled([obs.rows for obs in observations]))
+        result = AttackResult(
+            self.name,
+            details={"observed_samples": len(observations), "aux_images": len(self.aux),
+                     "aux_keep_sets": source, "adaptive_to": self.adapted_to},
+            outputs={"predicted_digits": torch.as_tensor(predicted)},
+        )
+        if truth is not None:
+            result.metrics.update(readback(observations, predicted, truth))
+        return result
+
+
+def readback(observations: Sequence[VisualObservation], predicted: np.ndarray, truth: Truth) -> dict[str, float]:
+    """The probe's accuracy on the observed samples the truth knows to carry a mark, and a guess's."""
+    digits, guesses = [], []
+    known: dict[int, list[VQASample] | None] = {}
+    for observation, guess in zip(observations, predicted, strict=True):
+        seq = observation.entry.seq
+        if seq not in known:
+            known[seq] = truth.samples(observation.entry)
+        samples = known[seq]
+        mark = None if samples is None else truth.mark(samples[observation.index])
+        if mark is not None:
+            digits.append(mark.digit)
+            guesses.append(int(guess))
+    if not digits:
+        return {"marked_samples": 0.0}
+    return {
+        "mark_readback": float(np.mean(np.array(guesses) == np.array(digits))),
+        "mark_readback_chance": Counter(digits).most_common(1)[0][1] / len(digits),
+        "marked_samples": float(len(digits)),
+    }
+
+
+register_attack(CutProbe)
