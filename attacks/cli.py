@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import AttackOptionError, attack_class, available_attacks, checked_options
-from attacks.recording import Recording
-from attacks.replay import replay
+from attacks.recording import MissingObservationError
+from attacks.replay import recording_at, replay
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -41,13 +41,14 @@ def _node_partition(text: str) -> tuple[int, int]:
     return int(node), int(partition)
 
 
-def _check_run(run_folder: str, attack: str, options: dict[str, Any]) -> None:
-    """What the replay needs, checked before it fits anything: the options, the folder, its recording."""
+def _check_run(run_folder: str, attack: str, options: dict[str, Any], round_: int | None) -> None:
+    """What the replay needs, checked before it fits anything: the options, the folder, its recording
+    (and the round asked for)."""
     checked_options(attack, attack_class(attack).Options, options)
     folder = Path(run_folder).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"no run folder at {folder}")
-    Recording.open(folder)
+    recording_at(folder, attack, round_)
 
 
 def _describe(name: str) -> str:
@@ -73,19 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--node-partition", action="append", type=_node_partition, default=[],
                      metavar="NODE=PARTITION", help="which client partition a node id held (runs under flwr run)")
     run.add_argument("--partition", type=int, default=0, help="the client whose model a query attack (MIA) targets")
+    run.add_argument("--round", type=int, default=None, dest="round_",
+                     help="replay on that round's transfers only (a run that stored several: threat.record_rounds); "
+                          "saved under <run>/attacks/round-<r>/")
     run.add_argument("--out", help="where the result goes (default: <run>/attacks/)")
     args = parser.parse_args(argv)
     if args.command == "list":
         print("\n".join(_describe(name) for name in available_attacks()))
         return 0
     try:
-        _check_run(args.run_folder, args.attack, dict(args.option))
-    except (AttackOptionError, FileNotFoundError, ValueError) as error:
+        _check_run(args.run_folder, args.attack, dict(args.option), args.round_)
+    except (AttackOptionError, FileNotFoundError, MissingObservationError, ValueError) as error:
         print(f"python -m attacks: {error}", file=sys.stderr)
         return 2
     result = replay(
         args.run_folder, args.attack, options=dict(args.option), aux_limit=args.aux_limit,
         node_partitions=dict(args.node_partition) or None, partition=args.partition, output=args.out,
+        round_=args.round_,
     )
     print(json.dumps({"attack": result.attack, "metrics": result.metrics}, indent=2, sort_keys=True))
     return 0

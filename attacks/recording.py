@@ -25,7 +25,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,7 @@ class Recorder:
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_samples: int | None = None,
         kinds: Collection[str] | None = None,
+        rounds: Collection[int] | None = None,
         committed_round: int = 0,
         header: Mapping[str, Any] | None = None,
     ) -> None:
@@ -116,15 +117,23 @@ class Recorder:
         self.folder = Path(folder)
         self.max_bytes, self.max_samples = max_bytes, max_samples
         self.kinds = None if kinds is None else frozenset(kinds)
+        self.rounds = None if rounds is None else frozenset(rounds)
         (self.folder / TENSOR_FOLDER).mkdir(parents=True, exist_ok=True)
         kept = [entry for entry in _read_index(self.folder / INDEX_FILE) if entry.round <= committed_round]
         self._drop_files_not_in(kept)
         self._write_index(kept)
         self._write_header(header or {})
         self.next_seq = max((entry.seq for entry in kept), default=-1) + 1
-        self.stored_bytes = sum(entry.tensor_bytes for entry in kept if entry.stored)
-        self.stored_samples = sum(entry.samples for entry in kept if entry.stored)
-        self.full = any(entry.tensors and not entry.stored for entry in kept if self._wanted(entry.kind))
+        # The caps hold over the whole recording, or per listed round when `rounds` are given.
+        self.stored_bytes: Counter = Counter()
+        self.stored_samples: Counter = Counter()
+        self.full: set[int | None] = set()
+        for entry in kept:
+            if entry.stored:
+                self.stored_bytes[self._bucket(entry.round)] += entry.tensor_bytes
+                self.stored_samples[self._bucket(entry.round)] += entry.samples
+            elif entry.tensors and self._wanted(entry.kind, entry.round):
+                self.full.add(self._bucket(entry.round))
         self.occurrences = Counter((e.round, e.client, e.kind, e.direction) for e in kept)
 
     @classmethod
@@ -168,19 +177,20 @@ class Recorder:
         samples = _samples_in(tensors)
         key = (round_, client, kind, direction)
         file = None
-        if tensors and self._wanted(kind) and not self.full:
-            fits = self.stored_bytes + size <= self.max_bytes and (
-                self.max_samples is None or self.stored_samples + samples <= self.max_samples
+        bucket = self._bucket(round_)
+        if tensors and self._wanted(kind, round_) and bucket not in self.full:
+            fits = self.stored_bytes[bucket] + size <= self.max_bytes and (
+                self.max_samples is None or self.stored_samples[bucket] + samples <= self.max_samples
             )
             if fits:
                 file = f"{TENSOR_FOLDER}/{self.next_seq:08d}.safetensors"
                 partial = self.folder / (file + ".partial")
                 save_file(tensors, str(partial))
                 os.replace(partial, self.folder / file)
-                self.stored_bytes += size
-                self.stored_samples += samples
+                self.stored_bytes[bucket] += size
+                self.stored_samples[bucket] += samples
             else:
-                self.full = True
+                self.full.add(bucket)
         entry = RecordedTransfer(
             seq=self.next_seq,
             round=round_,
@@ -201,8 +211,12 @@ class Recorder:
         return entry
 
     # -- internals -------------------------------------------------------------------------
-    def _wanted(self, kind: str) -> bool:
-        return self.kinds is None or kind in self.kinds
+    def _wanted(self, kind: str, round_: int) -> bool:
+        return (self.kinds is None or kind in self.kinds) and (self.rounds is None or round_ in self.rounds)
+
+    def _bucket(self, round_: int) -> int | None:
+        """Which cap a round's transfers count against: their round's when rounds are listed."""
+        return None if self.rounds is None else round_
 
     def _drop_files_not_in(self, kept: Iterable[RecordedTransfer]) -> None:
         keep = {entry.file for entry in kept if entry.file}
@@ -219,7 +233,8 @@ class Recorder:
         content = {
             "format": FORMAT_VERSION,
             "cap": {"max_bytes": self.max_bytes, "max_samples": self.max_samples,
-                    "kinds": None if self.kinds is None else sorted(self.kinds)},
+                    "kinds": None if self.kinds is None else sorted(self.kinds),
+                    "rounds": None if self.rounds is None else sorted(self.rounds)},
             **header,
         }
         (self.folder / HEADER_FILE).write_text(json.dumps(content, indent=2, sort_keys=True))
@@ -261,6 +276,18 @@ class Recording:
                 f"but not stored: the recording's cap ({self.header.get('cap')}) was reached"
             )
         return load_file(str(self.folder / entry.file))
+
+    def at_round(self, round_: int) -> "Recording":
+        """The same recording with only round `round_`'s transfers: what an attack replayed at that
+        point of training reads. A round that stored nothing is refused, naming those that did."""
+        entries = [entry for entry in self.entries if entry.round == round_]
+        if not any(entry.stored for entry in entries):
+            stored = sorted({entry.round for entry in self.entries if entry.stored})
+            raise MissingObservationError(
+                f"{self.folder} stored no transfer of round {round_}; rounds stored: {stored or 'none'} "
+                "(threat.record_rounds lists the rounds a run stores, each under the caps)"
+            )
+        return replace(self, entries=entries)
 
     def select(self, kind: str, direction: str = "up", *, stored_only: bool = True) -> list[RecordedTransfer]:
         return [

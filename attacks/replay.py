@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from attacks.base import Attack, AttackResult, attack_class, build_attack
+from attacks.base import ACTIVATION, GRADIENT, UPDATE, Attack, AttackResult, attack_class, build_attack
 from attacks.context import ATTACK_FOLDER, ReplayContext
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.recording import Recording
@@ -24,6 +24,9 @@ from config import SimConfig, load_config
 from training.data import RunData
 from training.model import PartyModel, load_party_model
 from vlm.profiles import get_profile
+
+# What a run records round by round (the rest, a model or a release, has no round).
+TRANSFERS = {ACTIVATION, GRADIENT, UPDATE}
 
 
 def knowledge_for_run(config: SimConfig, party: PartyModel | None = None) -> AttackerKnowledge:
@@ -70,6 +73,7 @@ def replay(
     partition: int = 0,
     output: str | Path | None = None,
     save: bool = True,
+    round_: int | None = None,
 ) -> AttackResult:
     """Fit `attack` on auxiliary data (`aux_limit` rows; None: the run's `threat.aux_limit`, the
     public data its server had), run it on the run's recording, score and save it.
@@ -77,11 +81,10 @@ def replay(
     `attack` may also be an attack already fitted for another run of the same model and cuts
     (a sweep over pruning policies fits a passive attack once); it is then only run, and
     `options` and `aux_limit` do not apply. `save=False` leaves the saving to the caller (a
-    sweep saves a labelled replay under its label)."""
+    sweep saves a labelled replay under its label). `round_` replays it on that round's transfers
+    only (a run that stored several rounds: threat.record_rounds), saved under `attacks/round-<r>/`."""
     folder = Path(run_folder).expanduser()
-    recording = Recording.open(folder)
-    if not recording.config:
-        raise ValueError(f"{recording.folder} has no run config in its header: replay needs a run's recording")
+    recording = recording_at(folder, attack if isinstance(attack, str) else attack.name, round_)
     config = load_config(recording.config)
     truth = RunTruth.from_run_folder(folder, node_partitions)
     if isinstance(attack, Attack):
@@ -93,9 +96,26 @@ def replay(
     result = instance.run(recording, truth)
     result.details["run"] = {"folder": str(folder), "paradigm": config.paradigm,
                              "pruning": config.pruning.policy, "profile": config.model.profile}
+    if round_ is not None:
+        result.details["round"] = round_
     if save:
-        result.save(Path(output) if output is not None else folder / ATTACK_FOLDER)
+        default = folder / ATTACK_FOLDER if round_ is None else folder / ATTACK_FOLDER / f"round-{round_}"
+        result.save(Path(output) if output is not None else default)
     return result
+
+
+def recording_at(folder: Path, attack: str, round_: int | None) -> Recording:
+    """The run's recording, or only round `round_` of it; refused, before anything is fitted,
+    when it is not a run's, or when the attack reads no recorded transfer or the round stored none."""
+    recording = Recording.open(folder)
+    if not recording.config:
+        raise ValueError(f"{recording.folder} has no run config in its header: replay needs a run's recording")
+    if round_ is None:
+        return recording
+    reads = attack_class(attack).reads
+    if not set(reads) & TRANSFERS:
+        raise ValueError(f"{attack} reads {', '.join(reads)}, not a recorded transfer: it has no round to be replayed at")
+    return recording.at_round(round_)
 
 
 def fit_for_run(

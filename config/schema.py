@@ -200,6 +200,10 @@ class ThreatConfig:
     # The recording's caps: bytes of stored tensors, and samples (0: no sample cap).
     max_bytes: int = 2 * 1024**3
     max_samples: int = 0
+    # The rounds whose transfers the recording stores, comma-separated ("1,10,20"), each under
+    # its own caps, so an attack can be replayed at several points of training (python -m
+    # attacks run --round); "": every round from the first until the caps are reached.
+    record_rounds: str = ""
     # The attacker's public data: rows of this split of data.dataset whose images no client
     # trains or scores on (also what `python -m attacks run` trains on).
     aux_split: str = "test"
@@ -247,6 +251,12 @@ class SimConfig:
     def threat_spec(self) -> ThreatModel:
         """The registered threat model `threat.model` names (config.threats)."""
         return THREAT_MODELS.get(self.threat.model)
+
+    @property
+    def recorded_rounds(self) -> tuple[int, ...] | None:
+        """threat.record_rounds as round numbers (None: every round until the caps)."""
+        text = self.threat.record_rounds.strip()
+        return tuple(sorted({int(part) for part in text.split(",")})) if text else None
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -401,6 +411,11 @@ def _validate_threat(config: SimConfig) -> None:
         )
     _at_least("threat.max_bytes", threat.max_bytes, 0)
     _at_least("threat.max_samples", threat.max_samples, 0)
+    if threat.record_rounds.strip():
+        parts = [part.strip() for part in threat.record_rounds.split(",")]
+        if not all(part.isdigit() and int(part) >= 1 for part in parts):
+            raise ConfigError("threat.record_rounds", threat.record_rounds,
+                              'round numbers >= 1, comma-separated ("1,10,20"), or "" for every round')
     _choice("threat.aux_split", threat.aux_split, get_adapter(config.data.dataset).splits)
     for key in ("aux_limit", "fsha_pretrain_steps", "fsha_discriminator_steps", "fsha_decoder_width", "fsha_batch_size"):
         _at_least(f"threat.{key}", getattr(threat, key), 1)

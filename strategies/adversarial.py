@@ -42,7 +42,8 @@ def subscribe_recorder(config: SimConfig, wire: Wire, folder: RunFolder) -> None
     everything the server accepts, and the payloads it sends that strategies name."""
     if not config.threat_spec.records:
         return
-    make = Recorder.factory(max_bytes=config.threat.max_bytes, max_samples=config.threat.max_samples or None)
+    make = Recorder.factory(max_bytes=config.threat.max_bytes, max_samples=config.threat.max_samples or None,
+                            rounds=config.recorded_rounds)
     wire.subscribe(make(config, folder), sent=True)
 
 

@@ -49,6 +49,23 @@ def test_the_cap_stores_a_prefix_and_still_indexes_everything(tmp_path):
     assert [samples_capped.record(1, 1, "activation at CA", activation()).stored for _ in range(2)] == [True, False]
 
 
+def test_listed_rounds_are_stored_each_under_its_own_cap_and_replayed_one_at_a_time(tmp_path):
+    recorder = Recorder(tmp_path / "rec", max_samples=4, rounds=[1, 3])
+    stored = [[recorder.record(round_, 1, "activation at CA", activation()).stored for _ in range(3)]
+              for round_ in (1, 2, 3)]
+    # Round 1 fills its cap of 4 samples with two transfers; round 2 is not listed; round 3 has its own cap.
+    assert stored == [[True, True, False], [False, False, False], [True, True, False]]
+    recording = Recording.open(tmp_path / "rec")
+    late = recording.at_round(3)
+    assert {e.round for e in late.entries} == {3} and len(late.select("activation at CA")) == 2
+    assert len(recording.entries) == 9  # the view leaves the recording whole
+    with pytest.raises(MissingObservationError, match=r"no transfer of round 2; rounds stored: \[1, 3\]"):
+        recording.at_round(2)
+    # A resumed run keeps each round's count against its cap.
+    resumed = Recorder(tmp_path / "rec", max_samples=4, rounds=[1, 3], committed_round=3)
+    assert not resumed.record(3, 1, "activation at CA", activation()).stored
+
+
 def test_a_resumed_run_drops_what_was_recorded_after_its_last_committed_round(tmp_path):
     recorder = Recorder(tmp_path / "rec")
     for round_ in (1, 2, 3):

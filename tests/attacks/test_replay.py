@@ -46,6 +46,33 @@ def test_actinv_replayed_on_a_recorded_usl_run_recovers_the_clients_questions(tm
     assert saved["metrics"] == pytest.approx(result.metrics)
 
 
+def test_an_attack_replays_on_each_round_the_run_stored(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(server_app, "OBSERVER_FACTORIES", [])
+    raw = {"paradigm": "usl", "model.profile": "tiny", "data.dataset": "easyvqa", "data.train_limit": 24,
+           "data.test_limit": 6, "clients.count": 2, "train.rounds": 3, "train.steps_per_round": 2,
+           "train.batch_size": 4, "eval.every": 0, "faults.timeout_s": 30.0, "output.root": str(tmp_path),
+           "output.name": "run", "threat.model": "passive", "threat.record_rounds": "1,3", "threat.max_samples": 16}
+    folder = run(InProcessGrid(client_app, raw, 2), load_config(raw)).path
+    recording = Recording.open(folder)
+    stored = recording.select("activation at CA")
+    # Each listed round stores what fits its own cap of 16 samples (of 4 activations and 4 gradients); round 2 none.
+    per_round = {r: sum(e.samples for e in stored if e.round == r) for r in (1, 2, 3)}
+    assert per_round[1] == per_round[3] > 0 and per_round[2] == 0
+    assert all(sum(e.samples for e in recording.entries if e.stored and e.round == r) <= 16 for r in (1, 3))
+    options = {"iterations": 1, "progress": False}
+    late = replay(folder, "actinv", options=options, aux_limit=8, round_=3)
+    early = replay(folder, "actinv", options=options, aux_limit=8, round_=1)
+    assert late.details["round"] == 3 and late.details["samples"] == per_round[3]
+    assert (folder / "attacks" / "round-3" / "actinv.json").exists()
+    # Scored against that round's own batches.
+    assert late.details["true_questions"] != early.details["true_questions"]
+    # Refused in one line, before anything is fitted: a round that stored nothing, an attack with no round.
+    assert main(["run", str(folder), "actinv", "--round", "2"]) == 2
+    assert "no transfer of round 2; rounds stored: [1, 3]" in capsys.readouterr().err
+    assert main(["run", str(folder), "mia", "--round", "1"]) == 2
+    assert "mia reads model, not a recorded transfer" in capsys.readouterr().err
+
+
 def test_a_recording_without_what_the_attack_needs_is_refused_by_name(tmp_path, monkeypatch):
     folder = tiny_run(tmp_path, monkeypatch, **{"train.rounds": 1, "train.steps_per_round": 1})
     # The USL server's own rows at CB are not what it received: only a strategy that reports them records them.

@@ -45,6 +45,8 @@ def test_the_paper_sim_holds_the_paper_settings():
         ({"paradigm": "cl", "clients.count": 1, "threat.model": "passive"}, "threat.model", "of paradigm cl: none"),
         ({"paradigm": "fl", "threat.model": "active-fsha"}, "threat.model", "of paradigm fl: none, passive"),
         ({"threat.max_bytes": -1}, "threat.max_bytes", ">= 0"),
+        ({"threat.record_rounds": "1,last"}, "threat.record_rounds", "round numbers >= 1"),
+        ({"threat.record_rounds": "0,5"}, "threat.record_rounds", "round numbers >= 1"),
         ({"threat.aux_split": "validation"}, "threat.aux_split", "train, test"),
         ({"threat.fsha_pretrain_steps": 0}, "threat.fsha_pretrain_steps", ">= 1"),
         ({"threat.model": "active-fsha", "data.test_limit": 0}, "data.test_limit", "public data is the rest"),
@@ -67,3 +69,8 @@ def test_overrides_parse_as_flwr_reads_them():
     assert parse_overrides('train.rounds=5 model.source="/data/llava" output.resume=false') == {
         "train.rounds": 5, "model.source": "/data/llava", "output.resume": False
     }
+
+
+def test_the_recorded_rounds_are_round_numbers_or_every_round():
+    assert load_config({"output.name": "r", "threat.record_rounds": " 10, 1,10 "}).recorded_rounds == (1, 10)
+    assert load_config({"output.name": "r"}).recorded_rounds is None
