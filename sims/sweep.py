@@ -30,6 +30,9 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
                         [attacks.actinv_masked] attack = "actinv", options = { mask_zeros = true }
                options  the attack's options (`python -m attacks list`)
                where    run-config key -> list of values a run must have (e.g. "threat.model")
+               round    replay on that round's transfers only (the runs list it in
+                        threat.record_rounds), so one attack reads several points of training
+                        under labels of their own
 
 Every point's config is validated, and every existing run folder compared with its point,
 before the first run starts: a bad key or value names the point and the key, a point whose
@@ -73,7 +76,7 @@ from tqdm.auto import tqdm
 from analysis.provenance import DirtyTree, of_runs, provenance
 from attacks.base import Attack, AttackOptionError, attack_class, available_attacks, checked_options
 from attacks.context import ATTACK_FOLDER
-from attacks.replay import fit_for_run, public_setting, replay
+from attacks.replay import TRANSFERS, fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
 from pruning import DTP_FILE, ORACLE_FILE
 from privacy import parse_defense_names
@@ -94,7 +97,7 @@ SWEEP_KEYS = ("sim", "runner", "seeds")
 # What a sweep's seeds axis sets for each seed: every seed a run draws from.
 SEED_KEYS = ("model.seed", "data.seed", "privacy.seed")
 GRID_KEYS = ("name", "fixed", "product", "zip")
-ATTACK_KEYS = ("attack", "options", "where")
+ATTACK_KEYS = ("attack", "options", "where", "round")
 # A label names files in the run's attacks folder.
 ATTACK_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = "label"
@@ -116,6 +119,8 @@ class AttackPlan:
     options: dict[str, Any]
     where: dict[str, list[Any]]
     attack: str = ""
+    # The round whose transfers it reads (None: every stored transfer).
+    round: int | None = None
 
     def __post_init__(self) -> None:
         if not self.attack:
@@ -273,7 +278,14 @@ def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPl
             if key not in known_keys:
                 raise SweepError(f"attacks.{name}.where: unknown run-config key {key!r}")
             where[key] = _values(f"attacks.{name}.where.{key}", values)
-        plans.append(AttackPlan(name, options, where, attack))
+        round_ = spec.get("round")
+        if round_ is not None:
+            if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 1:
+                raise SweepError(f"attacks.{name}.round: {round_!r}; allowed: a round number >= 1")
+            if not set(attack_class(attack).reads) & TRANSFERS:
+                raise SweepError(f"attacks.{name}.round: {attack} reads {', '.join(attack_class(attack).reads)}, "
+                                 "not a recorded transfer: it has no round to be replayed at")
+        plans.append(AttackPlan(name, options, where, attack, round_))
     return plans
 
 
@@ -344,6 +356,13 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
     if duplicated:
         raise SweepError(f"points share a run name: {duplicated}; give the parts distinct names or the zip axes labels")
     attacks = _attack_plans(raw.get("attacks"), set(points[0].config.to_flat()))
+    for plan in attacks:
+        for point in points:
+            rounds = point.config.recorded_rounds
+            if plan.round is not None and plan.applies_to(point.config.to_flat()) and plan.round not in (rounds or ()):
+                raise SweepError(f"point {point.name}: attacks.{plan.name}.round = {plan.round}, which its run does "
+                                 f"not store (threat.record_rounds = {point.config.threat.record_rounds!r}); list it "
+                                 "there")
     sweep = Sweep(path, sim, runner, folder, points, attacks, dtp, edges)
     _check_existing(sweep)
     return sweep
@@ -621,7 +640,7 @@ def _run_points(sweep: Sweep, progress: bool, log: Callable[[str], None]) -> dic
 def _replay_as(plan: AttackPlan, point: Point, attack: str | Attack, options: Mapping[str, Any] | None = None) -> None:
     """Replay `attack` on the point's run and save its result under the plan's label
     (`<run>/attacks/<label>.json`, "attack" the label, details.base_attack the registered attack)."""
-    result = replay(point.folder, attack, options=options, save=False)
+    result = replay(point.folder, attack, options=options, save=False, round_=plan.round)
     result.attack = plan.name
     result.details.update(base_attack=plan.attack, options=plan.options)
     result.save(point.folder / ATTACK_FOLDER)

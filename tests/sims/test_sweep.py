@@ -160,6 +160,19 @@ options = { iterations = 5, mask_zeros = true }
     assert plans["actinv_masked"].options == {"iterations": 5, "mask_zeros": True}
 
 
+def test_an_attack_table_may_replay_one_round_of_runs_that_store_it(tmp_path):
+    head = '[[grid]]\nname = "g"\nproduct = { paradigm = ["usl"] }\nfixed = { "threat.record_rounds" = "1,3" }\n'
+    sweep = load_sweep(sweep_file(tmp_path, head + '[attacks.fora-late]\nattack = "fora"\nround = 3\n'),
+                       out=tmp_path / "out")
+    assert [(plan.attack, plan.round) for plan in sweep.attacks] == [("fora", 3)]
+    assert "attacks.fora-late.round = 2, which its run does not store" in refusal(
+        tmp_path, head + '[attacks.fora-late]\nattack = "fora"\nround = 2\n')
+    assert "attacks.mia-late.round: mia reads model" in refusal(
+        tmp_path, head + '[attacks.mia-late]\nattack = "mia"\nround = 3\n')
+    assert "attacks.fora-late.round: 0; allowed: a round number >= 1" in refusal(
+        tmp_path, head + '[attacks.fora-late]\nattack = "fora"\nround = 0\n')
+
+
 def test_a_point_whose_config_changed_since_its_run_folder_was_written_is_refused(tmp_path):
     body = "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n"
     point = load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out").points[0]
