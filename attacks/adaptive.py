@@ -26,9 +26,10 @@ gets the rows on the patch grid with the positions a client would send. The posi
 edge's copy is the run's own distilled tower: the strongest attacker, one that holds the
 defended weights, not only the method.
 
-`AdaptiveAttack` is what FORA and SARA share: `adaptive=True` takes the run's defenses
-(`prepare_replay`, or the recording's header) and `attacker_rows` computes the attacker's
-visual rows through both copies, the edge first, as a client's rows pass them.
+`AdaptiveAttack` is what FORA, SARA and the cut probe share: `adaptive=True` takes the run's
+defenses (`prepare_replay`, or the recording's header) and `attacker_rows` computes the
+attacker's visual rows through both copies, the edge first, as a client's rows pass them;
+`policy_keep_sets` prunes the attacker's images as the run's pruning policy would.
 
 Where the run's defenses come from (`defenses_for_run`): the run's config (what
 `prepare_replay` is handed), else the recording header's description of them.
@@ -48,6 +49,7 @@ from config import SimConfig
 from privacy import ACTIVATION, EDGE, DefenseChain, Payload, defense_class, options_from
 from privacy.edge import EdgeOutput, edge_grid, edge_vision_tokens, select_sent
 from training.defenses import build_defenses
+from training.selector import build_selector
 from vlm.segments import llava_parts, project_visual_features, run_decoder_layers
 from vqa import VQASample
 
@@ -195,6 +197,20 @@ class AdaptiveAttack(Attack):
         """An adaptive attack not yet told the run's defenses reads them from the recording's header."""
         if self.options.adaptive and self.adapted_to is None:
             self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
+
+    def policy_keep_sets(self, images: Sequence[VQASample], features: torch.Tensor) -> list[torch.Tensor] | None:
+        """The keep sets the run's pruning policy gives the attacker's own `images` (their vision
+        `features`): the policy built from the run's config as a client builds it, so with its
+        settings and, for a trained policy (DTP), the run's prepared artefacts. None without the
+        run's config, or when the run prunes nothing."""
+        config = self.run_config
+        if config is None or config.pruning.policy == "off":
+            return None
+        k = self.knowledge
+        selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device)
+        step = max(1, self.options.batch_size)
+        return [indices.cpu() for start in range(0, len(images), step)
+                for indices in selector(features[start : start + step].to(k.device), images[start : start + step]).keep]
 
     def attacker_rows(
         self, model: nn.Module, features: torch.Tensor, images: Sequence[VQASample], keep: Sequence[torch.Tensor]

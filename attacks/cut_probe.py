@@ -33,7 +33,6 @@ from attacks.adaptive import AdaptiveAttack
 from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, register_attack
 from attacks.observations import VisualObservation, VisualSpans, fewer_visual_rows, visual_observations
 from attacks.recording import Recording
-from training.selector import build_selector
 from vqa import VQASample, is_stamped, mark_records
 from vqa.stamping import MarkRecord
 
@@ -100,13 +99,9 @@ class CutProbe(AdaptiveAttack):
     def _aux_keep(self, counts: Sequence[int]) -> tuple[list[torch.Tensor], str]:
         """The auxiliary images' keep sets, and where they came from."""
         k, o = self.knowledge, self.options
-        config = self.run_config
-        if o.policy_aware and config is not None:
-            selector = build_selector(config, tokenizer=k.tokenizer, samples=self.aux, device=k.device)
-            keep = [indices.cpu() for start in range(0, len(self.aux), o.batch_size)
-                    for indices in selector(self.aux_features[start : start + o.batch_size].to(k.device),
-                                            self.aux[start : start + o.batch_size]).keep]
-            return keep, f"the run's policy ({config.pruning.policy})"
+        keep = self.policy_keep_sets(self.aux, self.aux_features) if o.policy_aware else None
+        if keep is not None:
+            return keep, f"the run's policy ({self.run_config.pruning.policy})"
         generator = torch.Generator().manual_seed(o.seed)
         chosen = torch.randint(len(counts), (len(self.aux),), generator=generator)
         keep = [torch.randperm(k.num_patches, generator=generator)[: counts[int(i)]].sort().values for i in chosen]

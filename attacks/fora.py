@@ -9,7 +9,10 @@
 
 Pruned runs send k_b < N rows whose patches the server does not know: the attacker
 simulates random keep sets of the observed sizes on its auxiliary data, spreads each
-in-order set evenly over the grid, and lets the decoder learn from that.
+in-order set evenly over the grid, and lets the decoder learn from that. With
+`policy_aware` it prunes its auxiliary images with the run's own policy instead
+(attacks.adaptive.AdaptiveAttack.policy_keep_sets), so it learns the rows a client's
+policy keeps, not a random share of them.
 
 Adaptive (`adaptive=True`; the attacker knows the run's defense and its options): the
 substitute's auxiliary rows pass through the run's edge (token shuffling, merging,
@@ -60,6 +63,9 @@ class FORAOptions:
     batch_size: int = 32
     # Train substitute and inverse network on auxiliary rows through the run's defenses.
     adaptive: bool = False
+    # Prune the auxiliary images as the run's pruning policy would (it knows the policy and its
+    # settings); False: random keep sets of the observed sizes.
+    policy_aware: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -71,6 +77,8 @@ class FORA(AdaptiveAttack):
     reads = (ACTIVATION,)
     headline = ("psnr", "mark_readback")
     Options = FORAOptions
+    # The run's policy's keep sets of the auxiliary images (policy_aware), set by `reconstruct`.
+    policy_keep: list[torch.Tensor] | None = None
 
     def _rows(self, model: torch.nn.Module, batch: torch.Tensor, keep) -> list[torch.Tensor]:
         """The attacker's visual rows for the auxiliary images at `batch`: through the defenses when adaptive.
@@ -95,6 +103,7 @@ class FORA(AdaptiveAttack):
         if not hasattr(self, "aux_features"):
             raise RuntimeError("FORA.fit(aux) must run before reconstruct")
         self.resolve_defenses()
+        self.policy_keep = self.policy_keep_sets(self.aux, self.aux_features) if self.options.policy_aware else None
         observed = [rows.float() for rows in observed]
         counts = [rows.shape[0] for rows in observed]
         substitute = self.fit_substitute(observed, counts)
@@ -103,9 +112,12 @@ class FORA(AdaptiveAttack):
             grid = self._grid(observed)
             return torch.cat([decoder(grid[i : i + 256]) for i in range(0, grid.shape[0], 256)])
 
-    def _aux_keep(self, counts: Sequence[int], generator: torch.Generator, size: int) -> list[torch.Tensor]:
-        """Random in-order keep sets whose sizes follow the observed counts (before the edge's drops)."""
-        n = self.knowledge.num_patches
+    def _aux_keep(self, counts: Sequence[int], generator: torch.Generator, batch: torch.Tensor) -> list[torch.Tensor]:
+        """The keep sets of the auxiliary images at `batch`: the run's policy's (`policy_aware`), else
+        random in-order ones whose sizes follow the observed counts (before the edge's drops)."""
+        if self.policy_keep is not None:
+            return [self.policy_keep[int(i)] for i in batch]
+        n, size = self.knowledge.num_patches, len(batch)
         chosen = torch.randint(len(counts), (size,), generator=generator)
         share = 1.0 if self.edge is None else self.edge.kept_share(self.aux[:8])
         return [torch.randperm(n, generator=generator)[: min(n, round(counts[int(i)] / share))].sort().values
@@ -131,7 +143,7 @@ class FORA(AdaptiveAttack):
         size = min(o.batch_size, len(self.aux), len(observed))
         for _ in tqdm(range(o.substitute_steps), desc="FORA substitute", disable=not o.progress):
             batch = torch.randint(len(self.aux), (size,), generator=generator)
-            keep = self._aux_keep(counts, generator, size)
+            keep = self._aux_keep(counts, generator, batch)
             fake = self._grid(self._rows(substitute, batch, keep))
             real = observed_grid[torch.randint(len(observed), (size,), generator=generator)]
             # The discriminator learns observed (1) vs substitute (0); the substitute learns to fool it.
@@ -152,9 +164,10 @@ class FORA(AdaptiveAttack):
         """The inverse network's inputs: the substitute's rows for every auxiliary image (keep sets of
         the observed sizes; through the run's defenses when adaptive) on the grid, [n, N, D]."""
         generator = torch.Generator().manual_seed(self.options.seed + 1) if generator is None else generator
-        keep = self._aux_keep(counts, generator, len(self.aux))
+        everyone = torch.arange(len(self.aux))
+        keep = self._aux_keep(counts, generator, everyone)
         with torch.no_grad():
-            return self._grid(self._rows(substitute, torch.arange(len(self.aux)), keep))
+            return self._grid(self._rows(substitute, everyone, keep))
 
     def train_inverse_network(self, substitute: torch.nn.Module, counts: Sequence[int]) -> GridDecoder:
         k, o = self.knowledge, self.options

@@ -8,7 +8,10 @@ import torch
 
 from attacks import build_attack
 from attacks.context import ReplayContext
+from config import load_config
 from privacy.edge import edge_vision_tokens
+from pruning import RatioOptions, build_policy
+from pruning.policies import PolicyContext
 from training.defenses import build_defenses, describe_defenses
 from vlm.lora import decoder_layer_index, lora_parameters
 
@@ -133,3 +136,19 @@ def test_adaptive_fora_simulates_the_run_s_edge_so_as_many_rows_survive_as_a_cli
     width = knowledge.hidden_size
     assert torch.equal(zero_shares(grid[:, (grid[0] != 0).any(-1)]),
                        torch.full((16,), round(0.6 * observed * width) / (observed * width)))
+
+
+def test_a_policy_aware_fora_learns_from_the_rows_the_runs_policy_keeps(knowledge, aux, monkeypatch):
+    attack = build_attack("fora", knowledge, **{**FAST, "substitute_steps": 2, "decoder_steps": 2,
+                                                "policy_aware": True}).fit(aux[:24])
+    attack.run_config = load_config({"output.name": "f", "model.profile": "tiny", "pruning.policy": "random",
+                                     "pruning.ratio": 0.75})
+    used = []
+    rows = attack._rows
+    monkeypatch.setattr(attack, "_rows", lambda model, batch, keep: used.append((batch, keep)) or rows(model, batch, keep))
+    attack.reconstruct([torch.randn(4, knowledge.hidden_size) for _ in range(3)])
+    policy = build_policy("random", PolicyContext(profile="tiny", options=RatioOptions(0.75)))
+    expected = policy(attack.aux_features, attack.aux).keep
+    # Both the substitute's batches and the inverse network's rows come from the policy's keep sets.
+    assert len(used) == 3
+    assert all(torch.equal(kept, expected[int(i)]) for batch, keep in used for i, kept in zip(batch, keep, strict=True))
