@@ -207,7 +207,8 @@ class AdaptiveAttack(Attack):
         if config is None or config.pruning.policy == "off":
             return None
         k = self.knowledge
-        selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device)
+        selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device, model=k.model,
+                                  instruction=k.instruction)
         step = max(1, self.options.batch_size)
         return [indices.cpu() for start in range(0, len(images), step)
                 for indices in selector(features[start : start + step].to(k.device), images[start : start + step]).keep]

@@ -221,7 +221,8 @@ class MIA(Attack):
         the budget the run's status reports."""
         self.set_target(final_model(run))
         if run.config.pruning.policy != "off":
-            self.query_selector = build_selector(run.config, tokenizer=self.knowledge.tokenizer, device=self.knowledge.device)
+            self.query_selector = build_selector(run.config, tokenizer=self.knowledge.tokenizer, device=self.knowledge.device,
+                                                 model=self.knowledge.model, instruction=self.knowledge.instruction)
             self.query_policy = run.config.pruning.policy
         if run.config.data.canaries:
             self.audit_delta = run.config.privacy.dp.delta

@@ -175,7 +175,8 @@ class RunTruth:
         party = load_party_model(self.config)
         tokenizer = self.data.tokenizer(party.bundle)
         features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
-        return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device)
+        return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device,
+                                                      model=party.model, instruction=party.instruction)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """With data.canaries: the canaries the clients trained on (under paradigm mtv: those a

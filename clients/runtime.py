@@ -313,6 +313,8 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
             samples=[item.sample for item in [*train, *test]],
             cache_path=store.path("pruning-inputs.pt"),
             device=party.device,
+            model=party.model,
+            instruction=party.instruction,
         ),
         defenses=build_defenses(config),
         store=store,

@@ -253,6 +253,11 @@ class SimConfig:
         return THREAT_MODELS.get(self.threat.model)
 
     @property
+    def client_layers(self) -> int:
+        """The decoder layers a client runs before the first cut (all of them where nothing is cut)."""
+        return self.cuts[0] if self.cuts else get_profile(self.model.profile).num_layers
+
+    @property
     def recorded_rounds(self) -> tuple[int, ...] | None:
         """threat.record_rounds as round numbers (None: every round until the caps)."""
         text = self.threat.record_rounds.strip()
@@ -391,7 +396,7 @@ def validate(config: SimConfig) -> None:
     _at_least("eval.batch_size", config.eval.batch_size, 1)
     _at_least("eval.max_new_tokens", config.eval.max_new_tokens, 1)
     _choice("wire.dtype", config.wire.dtype, sorted(WIRE_DTYPES))
-    _validate_pruning(config.pruning, profile.name)
+    _validate_pruning(config.pruning, profile.name, config.client_layers)
     _validate_privacy(config)
     _validate_threat(config)
     if not config.faults.timeout_s > 0:
@@ -575,12 +580,16 @@ def _check_dp_sgd(config: SimConfig) -> None:
                               "(delta must be below one over a client's training samples, whatever the partition)")
 
 
-def _validate_pruning(pruning: PruningConfig, profile_name: str) -> None:
+def _validate_pruning(pruning: PruningConfig, profile_name: str, client_layers: int) -> None:
     _choice("pruning.policy", pruning.policy, policy_names())
     spec = get_policy(pruning.policy)
     settings = asdict(pruning)
+    options = policy_options(spec, settings)
     try:
-        policy_options(spec, settings).validate()
+        options.validate()
+        # A policy that runs the client's decoder layers says which it needs.
+        if hasattr(options, "validate_for_client"):
+            options.validate_for_client(client_layers)
     except OptionError as error:
         raise ConfigError(f"pruning.{error.option}", error.value, error.allowed) from None
     # Another policy's option keeps its default: a ratio set for a policy that ignores it is a mistake.

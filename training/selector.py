@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from pruning import PolicyContext, VisualTokenSelector, build_policy, get_policy, policy_options
@@ -26,9 +27,12 @@ def build_selector(
     samples: Sequence[VQASample] = (),
     cache_path: Path | None = None,
     device: str | torch.device = "cpu",
+    model: nn.Module | None = None,
+    instruction: str | None = None,
 ) -> VisualTokenSelector:
     """The configured policy's selector; `samples` (all this client will see) get their
-    frozen pruning inputs encoded once, kept at `cache_path`."""
+    frozen pruning inputs encoded once, kept at `cache_path`; `model` (the client's own) and its
+    prompt `instruction` serve the policies that rank with the decoder's attention."""
     pruning = config.pruning
     context = PolicyContext(
         profile=config.model.profile,
@@ -44,5 +48,8 @@ def build_selector(
         samples=samples,
         cache_path=cache_path,
         device=device,
+        model=model,
+        instruction=instruction,
+        client_layers=config.client_layers,
     )
     return build_policy(pruning.policy, context)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import LlavaConfig, LlavaForConditionalGeneration
 from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from vlm.cuts import LayerSegment
 
@@ -274,6 +275,43 @@ def run_decoder_layers(
     if apply_head:
         return parts.lm_head(language_model.norm(hidden_states))
     return hidden_states
+
+
+def decoder_attention(
+    model: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """Decoder layer `layer`'s attention weights [B, heads, L, L] over its input `hidden_states`
+    (what layers [0, layer) returned), causal and padding-masked as the model runs it.
+
+    Computed eagerly with transformers' own projections, rotary embedding and eager attention,
+    whatever attention kernel the model runs with (SDPA returns no weights): the pruners that
+    rank visual tokens by the attention they receive (FastV, SparseVLM) read them. Padded query
+    rows hold meaningless weights; read real rows only.
+    """
+    parts = llava_parts(model)
+    if not 0 <= layer < parts.num_layers:
+        raise ValueError(f"decoder layer {layer} does not exist; the decoder has layers 0..{parts.num_layers - 1}")
+    language_model = parts.language_model
+    block = language_model.layers[layer]
+    attention = block.self_attn
+    normed = block.input_layernorm(hidden_states)
+    shape = (*normed.shape[:-1], -1, attention.head_dim)
+    query = attention.q_proj(normed).view(shape).transpose(1, 2)
+    key = attention.k_proj(normed).view(shape).transpose(1, 2)
+    cos, sin = language_model.rotary_emb(normed, position_ids=position_ids)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    length = hidden_states.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=hidden_states.device).tril()
+    allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    additive = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)
+    # The values do not change the weights; the keys stand in for them.
+    _, weights = eager_attention_forward(attention, query, key, key, additive, scaling=attention.scaling)
+    return weights
 
 
 def run_segment(

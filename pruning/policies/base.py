@@ -7,7 +7,8 @@ both). The indices never leave the client; only the kept tokens' activations do.
 
 A policy is a `PolicySpec` registered by name. Its `Options` dataclass holds the settings
 that are its own, each the run-config key `pruning.<option>` (its defaults, a comment on
-each, `validate()` raising OptionError); `budget` names the option that sets how many
+each, `validate()` raising OptionError, and, for a policy that runs the client's decoder
+layers, `validate_for_client(client_layers)`); `budget` names the option that sets how many
 patches it keeps, the one a sweep varies. The settings every QPriv-VL scorer shares (the
 fusion weights, the artefacts folder, the encoders) reach it through `PolicyContext`.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from registry import OptionError, Registry, check_names_an_option
@@ -46,7 +48,9 @@ class PolicyContext:
     decoder's (random text towers read its vocabulary); `samples` are all the samples the
     selector will see, whose frozen inputs are encoded up front and kept at `cache_path`
     when given; `random_encoders` asks for seeded random encoders even where the profile
-    names real checkpoints.
+    names real checkpoints. `model` is the client's own VLM and `instruction` its prompt's
+    (vqa.build_prompt), for the policies that rank with the decoder's attention; `client_layers`
+    the decoder layers the client runs before the first cut (None: all of them).
     """
 
     profile: str
@@ -62,6 +66,9 @@ class PolicyContext:
     samples: Sequence[VQASample] = ()
     cache_path: Path | None = None
     device: str | torch.device = "cpu"
+    model: nn.Module | None = None
+    instruction: str | None = None
+    client_layers: int | None = None
 
 
 @dataclass

@@ -83,3 +83,12 @@ def test_keep_indices_never_leave_the_client(paradigm, run_config, fake_grid, mo
                 assert not any(np.array_equal(np.asarray(value).ravel(), indices) for indices in chosen), name
         for config_record in content.config_records.values():
             assert all(not isinstance(value, list) for value in config_record.values())
+
+
+@pytest.mark.parametrize("policy", ["fastv", "sparsevlm"])
+def test_an_attention_ranked_policy_prunes_on_the_client_with_the_layers_it_holds(policy, run_config, fake_grid):
+    raw = run_config(paradigm="usl", **{"clients.count": 2, "train.steps_per_round": 2, "eval.every": 1,
+                                        "pruning.policy": policy, "pruning.ratio": 0.5, "pruning.attention_layer": 0})
+    folder = run(fake_grid(client_app, raw, 2), load_config(raw))
+    record = json.loads((folder.path / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["kept_tokens_mean"] == record["kept_tokens_max"] == keep_count(0.5, TINY_PATCHES, TINY_K_MIN)

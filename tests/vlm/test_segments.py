@@ -11,6 +11,7 @@ from vlm.profiles import TINY
 from vlm.segments import (
     IGNORE_INDEX,
     DecoderInputs,
+    decoder_attention,
     greedy_generate,
     llava_parts,
     merge_multimodal_inputs,
@@ -303,6 +304,32 @@ def test_merge_rejects_a_prompt_whose_placeholders_do_not_match_its_images(tiny_
     prompt = torch.tensor([5, 6] + [TINY.image_token_id] * placeholders + [7])
     with pytest.raises(ValueError, match=f"{placeholders} times; it must appear exactly once per image"):
         merge_multimodal_inputs(tiny_model, [prompt], [torch.randn(3, TINY.hidden_size)])
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_decoder_attention_is_what_huggingfaces_eager_attention_returns(tiny_model, pixel_values, make_prompts, layer):
+    """Whatever kernel the model runs (the fixture gives SDPA and eager), the weights are those the
+    eager reference reports with output_attentions, left padding included."""
+    prompts = make_prompts([2, 5, 0], [3, 1, 4])
+    visual = project_visual_features(tiny_model, vision_features(tiny_model, pixel_values))
+    inputs = merge_multimodal_inputs(tiny_model, prompts, visual)
+    with torch.no_grad():
+        hidden = inputs.hidden_states if layer == 0 else run_decoder_layers(
+            tiny_model, inputs.hidden_states, inputs.attention_mask, inputs.position_ids, 0, layer)
+        weights = decoder_attention(tiny_model, hidden, inputs.attention_mask, inputs.position_ids, layer)
+        eager = build_random_model(TINY, seed=0, attn_implementation="eager")
+        reference = llava_parts(eager).language_model(
+            inputs_embeds=inputs.hidden_states, attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids, output_attentions=True, use_cache=False,
+        ).attentions[layer]
+    real = inputs.attention_mask.bool()
+    assert weights.shape == reference.shape
+    for sample in range(len(prompts)):
+        rows, columns = real[sample], real[sample]
+        torch.testing.assert_close(weights[sample][:, rows][:, :, columns], reference[sample][:, rows][:, :, columns],
+                                   **TOLERANCE)
+    with pytest.raises(ValueError, match="decoder layer 9 does not exist"):
+        decoder_attention(tiny_model, hidden, inputs.attention_mask, inputs.position_ids, 9)
 
 
 def test_run_decoder_layers_rejects_bad_range(tiny_model):
