@@ -199,19 +199,8 @@ class AdaptiveAttack(Attack):
             self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
 
     def policy_keep_sets(self, images: Sequence[VQASample], features: torch.Tensor) -> list[torch.Tensor] | None:
-        """The keep sets the run's pruning policy gives the attacker's own `images` (their vision
-        `features`): the policy built from the run's config as a client builds it, so with its
-        settings and, for a trained policy (DTP), the run's prepared artefacts. None without the
-        run's config, or when the run prunes nothing."""
-        config = self.run_config
-        if config is None or config.pruning.policy == "off":
-            return None
-        k = self.knowledge
-        selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device, model=k.model,
-                                  instruction=k.instruction)
-        step = max(1, self.options.batch_size)
-        return [indices.cpu() for start in range(0, len(images), step)
-                for indices in selector(features[start : start + step].to(k.device), images[start : start + step]).keep]
+        """The keep sets the run's pruning policy gives the attacker's own images (`policy_keep_sets`)."""
+        return policy_keep_sets(self.knowledge, self.run_config, images, features, self.options.batch_size)
 
     def attacker_rows(
         self, model: nn.Module, features: torch.Tensor, images: Sequence[VQASample], keep: Sequence[torch.Tensor]
@@ -229,6 +218,24 @@ class AdaptiveAttack(Attack):
         rows = [r for start in range(0, features.shape[0], step)
                 for r in self.defense.visual_rows(model, features[start : start + step], keep[start : start + step])]
         return rows, list(keep)
+
+
+def policy_keep_sets(
+    knowledge: AttackerKnowledge, config: SimConfig | None, images: Sequence[VQASample], features: torch.Tensor,
+    batch_size: int,
+) -> list[torch.Tensor] | None:
+    """The keep sets the run's pruning policy gives the attacker's own `images` (their vision
+    `features`): the policy built from the run's config as a client builds it, so with its
+    settings and, for a trained policy (DTP), the run's prepared artefacts. None without the
+    run's config, or when the run prunes nothing."""
+    if config is None or config.pruning.policy == "off":
+        return None
+    k = knowledge
+    selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device, model=k.model,
+                              instruction=k.instruction)
+    step = max(1, batch_size)
+    return [indices.cpu() for start in range(0, len(images), step)
+            for indices in selector(features[start : start + step].to(k.device), images[start : start + step]).keep]
 
 
 def visual_front(

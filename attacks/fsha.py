@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.adaptive import AttackerDefense, defenses_for_run
+from attacks.adaptive import AttackerDefense, defenses_for_run, policy_keep_sets
 from attacks.base import ACTIVATION, ACTIVE, IMAGE, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed, visual_rows
 from attacks.networks import (
@@ -68,6 +68,9 @@ class FSHAOptions:
     # Fine-tune the decoder on the pilot's rows through the run's defenses, for this many steps.
     adaptive: bool = False
     adaptive_steps: int = 500
+    # Prune the pilot's public images with the run's own policy (it knows the policy and its
+    # settings), so pilot and client rows are alike under pruning; False: all visual tokens.
+    policy_aware: bool = False
     seed: int = 0
     progress: bool = True
 
@@ -83,6 +86,8 @@ class FSHA(Attack):
 
     # A hijacked run's saved server state (prepare_replay), loaded by `fit` in place of pre-training.
     saved_state: Path | None = None
+    # The run's policy's keep sets of the auxiliary images (policy_aware), set by `fit`.
+    policy_keep: list[torch.Tensor] | None = None
     # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
     run_config: SimConfig | None = None
     # The defenses the decoder was fine-tuned on (None: not adapted).
@@ -107,6 +112,8 @@ class FSHA(Attack):
         )
         self.generator = torch.Generator().manual_seed(o.seed)
         self.adapted_to = None
+        self.policy_keep = (policy_keep_sets(k, self.run_config, self.aux, self.aux_features, o.batch_size)
+                            if o.policy_aware else None)
         if self.saved_state is not None:
             self.load_state(self.saved_state)
         else:
@@ -133,7 +140,7 @@ class FSHA(Attack):
         for _ in tqdm(range(o.adaptive_steps), desc="FSHA adaptive decoder", disable=not o.progress):
             batch = torch.randint(len(self.aux), (size,), generator=generator)
             with torch.no_grad():
-                rows = torch.stack(defense.visual_rows(self.pilot, self.aux_features[batch])).float().cpu()
+                rows = self._on_grid(defense.visual_rows(self.pilot, self.aux_features[batch], self._keep(batch)))
             loss = F.mse_loss(self.decoder(rows), self.aux_images[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -145,11 +152,20 @@ class FSHA(Attack):
     def _aux_batch(self) -> torch.Tensor:
         return torch.randint(len(self.aux), (min(self.options.batch_size, len(self.aux)),), generator=self.generator)
 
+    def _keep(self, batch: torch.Tensor) -> list[torch.Tensor] | None:
+        """The policy's keep sets of the auxiliary images at `batch` (None: every visual token)."""
+        return None if self.policy_keep is None else [self.policy_keep[int(i)] for i in batch]
+
+    def _on_grid(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The pilot's row sets as the networks read them: whole grids, or pruned sets spread over
+        the grid as the client's are; in fp32 on the CPU, wherever and in whatever dtype the model runs."""
+        rows = [r.float().cpu() for r in rows]
+        return torch.stack(rows) if self.policy_keep is None else self._grid(rows)
+
     def _pilot_rows(self, batch: torch.Tensor) -> torch.Tensor:
         k = self.knowledge
-        rows = torch.stack(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut))
-        # The attacker's own networks run in fp32 on the CPU, wherever and in whatever dtype the model runs.
-        return rows.float().cpu()
+        return self._on_grid(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut,
+                                         self._keep(batch)))
 
     def _autoencoder_step(self) -> float:
         self.decoder.train()
@@ -281,7 +297,7 @@ class FSHA(Attack):
         threat = config.threat
         return {"pretrain_steps": threat.fsha_pretrain_steps, "decoder_width": threat.fsha_decoder_width,
                 "discriminator_steps": threat.fsha_discriminator_steps, "batch_size": threat.fsha_batch_size,
-                "seed": threat.fsha_seed}
+                "seed": threat.fsha_seed, "policy_aware": threat.fsha_policy_aware}
 
     def prepare_replay(self, run: ReplayContext) -> None:
         """The networks the hijacked run saved (`save_state` into `<run>/attacks/fsha.pt`): `fit`

@@ -215,6 +215,8 @@ class ThreatConfig:
     fsha_decoder_width: int = 128
     fsha_batch_size: int = 32
     fsha_seed: int = 0
+    # FSHA's pilot prunes its public images with the run's own pruning policy (the server knows it).
+    fsha_policy_aware: bool = False
 
 
 @dataclass

@@ -61,7 +61,10 @@ class FSHAHijack:
         # On resume the checkpoint's state replaces the networks: pre-training them would be thrown away.
         if not pretrain:
             options["pretrain_steps"] = 0
-        self.attack = FSHA(knowledge, **options).fit(aux)
+        attack = FSHA(knowledge, **options)
+        # The server knows the run's config: with fsha_policy_aware it prunes as the clients' policy does.
+        attack.run_config = config
+        self.attack = attack.fit(aux)
         # Under pruning (or an edge that removes tokens) each sample's visual-token count is
         # unknown to the server; it tells the visual rows from the text rows as the replayed attack does.
         uncounted = fewer_visual_rows(config.to_flat())

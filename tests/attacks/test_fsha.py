@@ -1,5 +1,7 @@
 """FSHA hijacks a client that trusts the server's gradients; an honest client's rows stay opaque to it."""
 
+from types import SimpleNamespace
+
 import torch
 from torch.nn import functional as F
 
@@ -7,7 +9,13 @@ from attacks import build_attack
 from attacks.adaptive import AttackerDefense
 from attacks.context import ReplayContext
 from attacks.knowledge import visual_rows
+from config import load_config
+from pruning import RatioOptions, build_policy, keep_count
+from pruning.policies import PolicyContext
+from strategies.adversarial import FSHAHijack
 from training.defenses import build_defenses
+from training.model import load_party_model
+from vlm.profiles import TINY
 
 FAST = {"pretrain_steps": 200, "discriminator_steps": 3, "decoder_width": 32, "progress": False}
 
@@ -83,3 +91,33 @@ def test_adaptive_fsha_fine_tunes_only_its_decoder_on_defended_pilot_rows(knowle
                  for name, attack in (("plain", plain), ("adaptive", adaptive))}
     print(error)
     assert error["adaptive"] < 0.8 * error["plain"]
+
+
+def test_a_policy_aware_pilot_learns_from_the_rows_the_runs_policy_keeps(knowledge, aux):
+    """The pilot's public rows are pruned as the clients' policy prunes, and spread over the grid
+    as the clients' pruned rows are, for the autoencoder and the discriminator alike."""
+    attack = build_attack("fsha", knowledge, **{**FAST, "pretrain_steps": 1, "policy_aware": True})
+    attack.run_config = load_config({"output.name": "f", "model.profile": "tiny", "pruning.policy": "random",
+                                     "pruning.ratio": 0.75})
+    attack.fit(aux[:24])
+    expected = build_policy("random", PolicyContext(profile="tiny", options=RatioOptions(0.75)))(
+        attack.aux_features, attack.aux).keep
+    assert all(torch.equal(kept, wanted) for kept, wanted in zip(attack.policy_keep, expected, strict=True))
+    batch = torch.arange(4)
+    with torch.no_grad():
+        grid = attack._pilot_rows(batch)
+    kept = len(expected[0])
+    assert grid.shape[:2] == (4, knowledge.num_patches)
+    assert ((grid.abs().sum(-1) > 0).sum(-1) == kept).all()
+    # Without the policy: every visual token, in place.
+    plain = build_attack("fsha", knowledge, **{**FAST, "pretrain_steps": 1}).fit(aux[:24])
+    assert plain.policy_keep is None and (plain._pilot_rows(batch).abs().sum(-1) > 0).all()
+
+
+def test_a_hijacking_server_told_to_know_the_policy_prunes_its_pilots_images(tmp_path):
+    config = load_config({"output.name": "h", "output.root": str(tmp_path), "model.profile": "tiny",
+                          "paradigm": "usl", "threat.model": "active-fsha", "threat.fsha_policy_aware": True,
+                          "threat.aux_limit": 16, "data.train_limit": 16, "data.test_limit": 8,
+                          "pruning.policy": "random", "pruning.ratio": 0.5})
+    hijack = FSHAHijack(config, load_party_model(config), SimpleNamespace(path=tmp_path), pretrain=False)
+    assert {len(kept) for kept in hijack.attack.policy_keep} == {keep_count(0.5, TINY.num_patches, 1)}
