@@ -10,7 +10,7 @@ setup:
 test: setup
 	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
-# `build` installs the shipped weights (digest checked) in seconds; `build --from-scratch` rebuilds them (about an hour on one core).
+# `build` installs the shipped weights (digest checked) in seconds; `build --from-scratch` rebuilds them (about an hour and a half on one core).
 run: setup
 	.venv/bin/qpriv-mini --profile mini-scenes build
 	.venv/bin/python -m sims.launch sims/usl_scenes
