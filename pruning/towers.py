@@ -89,9 +89,9 @@ class TowerSource:
 
 
 def mini_tower_source(profile: PruningProfile) -> TowerSource:
-    """The profile's own mini build (its vision stage suffices: later stages keep the tower
-    frozen) and its recipe's training samples; ModelNotAvailableError naming the build
-    command when the build is missing."""
+    """The profile's own mini build (its vision stage, or the base stage of a build installed
+    from shipped weights: later stages keep the tower frozen) and its recipe's training samples;
+    ModelNotAvailableError naming the build command when the build is missing."""
     if profile.towers is None:
         raise ValueError(f"pruning profile {profile.name!r} names no towers to train")
     try:
@@ -102,7 +102,10 @@ def mini_tower_source(profile: PruningProfile) -> TowerSource:
             "pass a TowerSource"
         ) from None
     folder = MiniFolder(recipe)
-    missing = [path.name for path in (folder.tokenizer, folder.vision) if not path.exists()]
+    # The later stages keep the tower frozen, so a build installed from shipped weights (its base
+    # stage, not its vision stage) holds the same vision tower.
+    weights = folder.vision if folder.vision.exists() else folder.base
+    missing = [path.name for path in (folder.tokenizer, weights) if not path.exists()]
     if missing:
         raise ModelNotAvailableError(
             f"the towers of pruning profile {profile.name!r} are trained against the vision tower of the "
@@ -118,7 +121,7 @@ def mini_tower_source(profile: PruningProfile) -> TowerSource:
         image_token_id=tokenizer.convert_tokens_to_ids(tokenizer.image_token),
         pad_token_id=tokenizer.pad_token_id,
     )
-    load_weights_into(model, folder.vision)
+    load_weights_into(model, weights)
     towers = profile.towers
     samples = load_vqa(towers.dataset, towers.split, limit=towers.samples or None, seed=towers.seed)
     return TowerSource(

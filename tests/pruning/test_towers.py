@@ -1,6 +1,7 @@
 """Trained towers (pruning.towers): training improves both objectives, builds are cached,
 resumable and deterministic, and load_encoders picks them only for profiles that name them."""
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,9 @@ from pruning.towers import (
     towers_folder,
 )
 from vlm.loading import ModelNotAvailableError, build_random_model, clip_image_preprocessor
-from vlm.mini.build import CACHE_ENV
+from vlm.mini.build import CACHE_ENV, SHIPPED_ROOT, MiniFolder
+from vlm.mini.recipe import recipe_for
+from vlm.segments import llava_parts
 from vlm.mini.tokenizer import build_word_tokenizer
 from vqa import load_vqa
 
@@ -156,6 +159,22 @@ def test_a_missing_build_fails_naming_the_command_that_builds_it(profile, source
     assert "qpriv-prune towers --profile mini-scenes" in str(raised.value)
     with pytest.raises(ModelNotAvailableError):
         mini_tower_source(scenes)
+
+
+def test_a_build_installed_from_shipped_weights_gives_the_towers_their_vision_tower(tmp_path, monkeypatch):
+    """Shipped weights hold the base stage, not the vision stage: its frozen tower is the same."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    scenes = get_pruning_profile("mini-scenes")
+    folder = MiniFolder(recipe_for("mini-scenes"))
+    shipped = SHIPPED_ROOT / folder.path.name
+    folder.path.mkdir(parents=True)
+    shutil.copytree(shipped / "tokenizer", folder.tokenizer)
+    shutil.copy(shipped / folder.base.name, folder.base)
+    assert not folder.vision.exists()
+    source = mini_tower_source(scenes)
+    base = load_file(folder.base)
+    tower = llava_parts(source.model).vision_tower.state_dict()
+    assert all(torch.equal(tower[name], base[f"model.vision_tower.{name}"]) for name in tower)
 
 
 def test_another_tokenizer_is_refused(profile, source, built):
