@@ -531,7 +531,7 @@ def measure_scorer(bed: Testbed, folder: Path) -> dict[str, Any]:
     oracle = report.get("stages", {}).get("oracle", {})
     return {
         "folder": str(folder),
-        "settings": {key: settings.get(key) for key in ("profile", "alpha", "beta", "direction", "fixed_scorer", "datasets", "bags",
+        "settings": {key: settings.get(key) for key in ("profile", "alpha", "beta", "direction", "fixed_scorer", "oracle_scorer", "datasets", "bags",
                                                          "samples", "oracle_samples", "grid", "seed")},
         "relevance_topk_recall": bootstrap_mean(recalls, bed.args.seed) | {
             "chance": statistics.fmean(chance), "questions_without_needed_patches": len(test) - len(recalls)},
@@ -834,7 +834,7 @@ def scorer_section(results: dict[str, Any]) -> str:
             continue
         r = part["result"]
         recall, auroc = r["relevance_topk_recall"], r["sensitivity_mark_auroc"]
-        scorer = r["settings"].get("fixed_scorer") or "pretrained"
+        scorer = r["settings"].get("oracle_scorer") or r["settings"].get("fixed_scorer") or "pretrained"
         label = f"`{Path(r['folder']).name}` ({r['settings']['direction']}, {scorer}, α={r['settings']['alpha']:g})"
         rows.append([label, f"relevance u: top-k recall of oracle patches (chance {pct(recall['chance'])})",
                      f"≥ {pct(TARGET_RELEVANCE_RECALL)}", pct(recall["value"]), interval(recall), recall["n"],

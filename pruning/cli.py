@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pretrained: the oracle's fixed scorer ranks with the trained towers' relevance read-out where the "
         "profile has them (random Wq/Wk otherwise); random: always random Wq/Wk",
     )
+    prepare.add_argument(
+        "--oracle-scorer",
+        default=DEFAULTS.oracle_scorer,
+        help="the oracle search's own fixed scorer, pretrained or random (the paper's); default: --fixed-scorer's. "
+        "The teacher's mask, which the student's relevance distils, keeps --fixed-scorer's",
+    )
     prepare.add_argument("--sensitivity-epochs", type=int, default=DEFAULTS.sensitivity_epochs)
     prepare.add_argument("--threshold-epochs", type=int, default=DEFAULTS.threshold_epochs)
     prepare.add_argument("--student-epochs", type=int, default=DEFAULTS.student_epochs)

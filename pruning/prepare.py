@@ -11,7 +11,8 @@ rule every run applies). Absent real weights fail before any data loads.
 1. oracle: a fixed, randomly initialised scorer (seed `seed`) ranks each sample's patches
    (with encoders that carry a pretrained relevance read-out — a profile's trained towers,
    pruning.towers — its Wq/Wk are that read-out's unless `fixed_scorer` is "random": the
-   pretrained pair is what makes a small profile's question relevance mean anything);
+   pretrained pair is what makes a small profile's question relevance mean anything;
+   `oracle_scorer` gives the search a scorer of its own, the teacher's mask keeping this one);
    for ρ in the grid, scanned in `direction` order ("smallest": small to large, the
    paper's text; "largest": large to small), the model answers with the top-k kept;
    ρ* is the first ρ whose answer still matches the gold answer (first-token substring
@@ -155,6 +156,9 @@ class PrepareSettings:
     grid: tuple[float, ...] = ORACLE_GRID
     direction: str = "smallest"
     fixed_scorer: str = "pretrained"
+    # The oracle search's own fixed scorer ("": fixed_scorer's). The paper's oracle ranks with a
+    # random one; the teacher's mask, which the student's relevance distils, keeps fixed_scorer's.
+    oracle_scorer: str = ""
     sensitivity_epochs: int = 10
     threshold_epochs: int = 20
     student_epochs: int = 20
@@ -248,6 +252,8 @@ class PrepareSettings:
             require(0 < ratio < 1, "--grid", ratio, f"0 < ρ < 1 (ρ* = {NO_MATCH_RATIO} means no ratio matched)")
         require(self.direction in DIRECTIONS, "--direction", self.direction, ", ".join(DIRECTIONS))
         require(self.fixed_scorer in FIXED_SCORERS, "--fixed-scorer", self.fixed_scorer, ", ".join(FIXED_SCORERS))
+        require(self.oracle_scorer in ("", *FIXED_SCORERS), "--oracle-scorer", self.oracle_scorer,
+                ", ".join(FIXED_SCORERS) + ' or "" (the fixed scorer)')
         require(self.lr > 0, "--lr", self.lr, "a number > 0")
         for option, value in (("--lambda-ratio", self.lambda_ratio), ("--lambda-mask", self.lambda_mask)):
             require(math.isfinite(value) and value >= 0, option, value, "a finite number >= 0")
@@ -900,6 +906,10 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
 
     scorer = build_qpriv_vl(profile, seed=settings.seed, alpha=settings.alpha, beta=settings.beta).eval()
     pretrained_scorer = settings.fixed_scorer == "pretrained" and adopt_readout(scorer, frozen.encoders)
+    oracle_scorer, pretrained_oracle = scorer, pretrained_scorer
+    if settings.oracle_scorer not in ("", settings.fixed_scorer):
+        oracle_scorer = build_qpriv_vl(profile, seed=settings.seed, alpha=settings.alpha, beta=settings.beta).eval()
+        pretrained_oracle = settings.oracle_scorer == "pretrained" and adopt_readout(oracle_scorer, frozen.encoders)
     oracle = cache.run(
         "oracle",
         {
@@ -912,9 +922,9 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
             "alpha": settings.alpha,
             "beta": settings.beta,
             # Only where it applies, so that every earlier preparation keeps its key.
-            **({"scorer_projections": "pretrained read-out"} if pretrained_scorer else {}),
+            **({"scorer_projections": "pretrained read-out"} if pretrained_oracle else {}),
         },
-        lambda: run_oracle(settings, data, frozen, scorer, progress),
+        lambda: run_oracle(settings, data, frozen, oracle_scorer, progress),
     )
     training = {"lr": settings.lr, "batch_size": settings.batch_size, "seed": settings.seed}
     teacher = build_qpriv_vl(
@@ -956,7 +966,7 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
     dtp.eval()
 
     all_ratios = {key: ratio for part in ORACLE_PARTS for key, ratio in oracle.record[part]["ratios"].items()}
-    save_oracle(out, all_ratios, scorer, frozen.encoders)
+    save_oracle(out, all_ratios, oracle_scorer, frozen.encoders)
     save_dtp(out, dtp, frozen.encoders)
     oracle_metrics = {part: {k: v for k, v in oracle.record[part].items() if k != "ratios"} for part in ORACLE_PARTS}
     report = {
@@ -998,6 +1008,7 @@ def prepare_dtp(settings: PrepareSettings, out: str | Path, *, progress: bool = 
             ),
         },
         "fixed_scorer": "pretrained read-out" if pretrained_scorer else "random",
+        "oracle_scorer": "pretrained read-out" if pretrained_oracle else "random",
         "seconds": round(time.perf_counter() - started, 2),
     }
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2))

@@ -277,6 +277,29 @@ def test_a_rerun_reuses_every_stage_and_a_changed_setting_redoes_only_what_it_af
     assert all(stage["cached"] for stage in prepare_dtp(TINY, out, progress=False)["stages"].values())
 
 
+def test_the_oracle_may_search_with_a_scorer_of_its_own(tmp_path, monkeypatch):
+    """With trained towers the fixed scorer adopts their read-out; --oracle-scorer random keeps the
+    paper's random scorer for the search alone, the teacher's mask keeping the read-out's. (Tiny
+    has no towers: a stand-in read-out sets every Wq weight to one.)"""
+    import pruning.prepare as prepare_module
+
+    def adopt(scorer, encoders):
+        with torch.no_grad():
+            scorer.query_projection.weight.fill_(1.0)
+        return True
+
+    monkeypatch.setattr(prepare_module, "adopt_readout", adopt)
+    report = prepare_dtp(replace(TINY, student_epochs=1, oracle_scorer="random"), tmp_path, progress=False)
+    assert (report["fixed_scorer"], report["oracle_scorer"]) == ("pretrained read-out", "random")
+    frozen = load_frozen_inputs(TINY, load_preparation_data(TINY), progress=False)
+    searched, _ = load_oracle(tmp_path, frozen.profile, frozen.encoders, alpha=TINY.alpha, beta=TINY.beta)
+    assert not torch.all(searched.query_projection.weight == 1.0)
+    same = prepare_dtp(replace(TINY, student_epochs=1), tmp_path / "same", progress=False)
+    assert same["oracle_scorer"] == "pretrained read-out"
+    searched, _ = load_oracle(tmp_path / "same", frozen.profile, frozen.encoders, alpha=TINY.alpha, beta=TINY.beta)
+    assert torch.all(searched.query_projection.weight == 1.0)
+
+
 def test_an_interrupted_stage_is_not_taken_for_finished(tmp_path):
     cache = StageCache(tmp_path)
 
@@ -304,6 +327,7 @@ def test_an_interrupted_stage_is_not_taken_for_finished(tmp_path):
             "mini-scenes with --model-stage vqa",
         ),
         (["--fixed-scorer", "clever"], "--fixed-scorer='clever' is not allowed; allowed: pretrained, random"),
+        (["--oracle-scorer", "clever"], "--oracle-scorer='clever' is not allowed; allowed: pretrained, random or"),
         (["--model-source", "/llava"], "--model-source='/llava' is not allowed; allowed: '' (profile 'mini' at"),
         (["--profile", "llava-1.5-7b", "--dtype", "fp8"], "--dtype='fp8' is not allowed; allowed: fp32, bf16, fp16"),
         (["--device", "abacus"], "--device='abacus' is not allowed; allowed: a torch device"),
