@@ -827,15 +827,17 @@ def largest_ratio_share(histogram: dict[str, int] | None) -> float | None:
 
 def scorer_section(results: dict[str, Any]) -> str:
     title = "## 4. The DTP scorer"
-    header = ["DTP folder (oracle direction, its fixed scorer, α)", "measure", "target", "measured", "95% interval", "n", "result"]
+    header = ["DTP folder (oracle direction and scorer, the teacher mask's scorer, α)", "measure", "target", "measured", "95% interval", "n", "result"]
     rows, histograms = [], []
     for name, part in results.get("parts", {}).items():
         if not name.startswith("scorer:") or "result" not in part:
             continue
         r = part["result"]
         recall, auroc = r["relevance_topk_recall"], r["sensitivity_mark_auroc"]
-        scorer = r["settings"].get("oracle_scorer") or r["settings"].get("fixed_scorer") or "pretrained"
-        label = f"`{Path(r['folder']).name}` ({r['settings']['direction']}, {scorer}, α={r['settings']['alpha']:g})"
+        mask = r["settings"].get("fixed_scorer") or "pretrained"
+        searched = r["settings"].get("oracle_scorer") or mask
+        label = (f"`{Path(r['folder']).name}` ({r['settings']['direction']}, oracle {searched}, mask {mask}, "
+                 f"α={r['settings']['alpha']:g})")
         rows.append([label, f"relevance u: top-k recall of oracle patches (chance {pct(recall['chance'])})",
                      f"≥ {pct(TARGET_RELEVANCE_RECALL)}", pct(recall["value"]), interval(recall), recall["n"],
                      verdict(recall["value"] >= TARGET_RELEVANCE_RECALL)])

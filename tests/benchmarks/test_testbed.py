@@ -174,7 +174,7 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     assert any(line.startswith("| (control)") and line.endswith("| — |") for line in lines)
     # The scorer: recall below its target fails, the AUROC passes, and a ratio holding 70% of the
     # held-out samples fails the spread target while the training split's 50% passes.
-    scorer = "| `dtp-a` (largest, pretrained, α=1) |"
+    scorer = "| `dtp-a` (largest, oracle pretrained, mask pretrained, α=1) |"
     assert any(line.startswith(f"{scorer} relevance u") and "| 72.0% |" in line and "**FAIL**" in line for line in lines)
     assert any(line.startswith(f"{scorer} sensitivity s") and "| 0.990 |" in line and line.endswith("| pass |")
                for line in lines)
@@ -182,7 +182,7 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
                and line.endswith("| pass |") for line in lines)
     assert any(line.startswith(f"{scorer} oracle ρ*: largest share of one ratio (held out)") and "| 70.0% |" in line
                and "**FAIL**" in line for line in lines)
-    assert "- `dtp-a` (largest, pretrained, α=1), held out: 0.10: 7, 1.00: 3" in lines
+    assert "- `dtp-a` (largest, oracle pretrained, mask pretrained, α=1), held out: 0.10: 7, 1.00: 3" in lines
     assert any(line.startswith(f"{scorer} student ρ̂ against oracle ρ* (held out)") and "(guessing the mean: 0.250); "
                "Pearson r 0.40 | — | 0.200 | — | 10 | — |" in line for line in lines)
     # The memorisation points come from the other helper's dict as they are.
