@@ -7,6 +7,7 @@ import pruning.policies.attention as attention
 from config import ConfigError, load_config
 from pruning import build_policy, get_policy, policy_options
 from pruning.policies import PolicyContext
+from registry import OptionError
 from training.model import RANDOM_IMAGE_ID, RANDOM_PAD_ID, RANDOM_VOCAB_SIZE
 from vlm.loading import build_random_model
 from vlm.lora import apply_lora, lora_parameters
@@ -90,7 +91,7 @@ def test_the_layer_must_be_one_the_client_runs(sample, tokenizer):
                      "pruning.ratio": 0.5, "pruning.attention_layer": 1})
     load_config({"output.name": "a", "model.profile": "tiny", "paradigm": "sl", "pruning.policy": "fastv",
                  "pruning.ratio": 0.5, "pruning.attention_layer": 1})
-    with pytest.raises(Exception, match="attention_layer"):
+    with pytest.raises(OptionError, match="attention_layer"):
         selector("sparsevlm", tiny(), tokenizer, ratio=0.5, layer=1, client_layers=1)
     with pytest.raises(ValueError, match="needs the model and its tokenizer"):
         build_policy("fastv", PolicyContext(profile="tiny"))
