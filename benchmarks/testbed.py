@@ -893,7 +893,7 @@ def memorisation_section(results: dict[str, Any]) -> str:
             [["best loss-MIA AUC of a fine-tuned model that beats the question-only baseline "
               f"({pct(data.get('question_only_accuracy'))})", f"≥ {data['target_auc']:g}",
               cell(data.get("best_auc")), best_interval,
-              f"{max((p.get('members') or 0) for p in final) if final else '—'} members per point",
+              f"{best['members']} members, {best['non_members']} non-members" if "members" in best else "—",
               verdict(data.get("reached_target"))]]), ""]
     extra = ({k: v for k, v in data.items() if k not in ("points", "target_auc", "best_auc", "reached_target")
               and not isinstance(v, dict | list)} if isinstance(data, dict) else {})

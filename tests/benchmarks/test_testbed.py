@@ -151,7 +151,7 @@ def hand_made_results() -> dict:
                          "question_only_accuracy": 0.45, "points": [
             {"train_rows": 500, "epochs": 1, "test_accuracy": 0.81, "mia_auc": 0.52, "n": 1000},
             {"point": "rows-100", "train_rows": 100, "epochs": 8, "test_accuracy": 0.6, "mia_auc": 0.74,
-             "mia_auc_low": 0.68, "mia_auc_high": 0.8, "n": 200},
+             "mia_auc_low": 0.68, "mia_auc_high": 0.8, "members": 100, "non_members": 100, "n": 200},
         ]},
     }
 
@@ -186,10 +186,10 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     assert any(line.startswith(f"{scorer} student ρ̂ against oracle ρ* (held out)") and "(guessing the mean: 0.250); "
                "Pearson r 0.40 | — | 0.200 | — | 10 | — |" in line for line in lines)
     # The memorisation points come from the other helper's dict as they are.
-    assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 | [0.680, 0.800] (rows-100, 8 epochs) |" in line
-               and "**FAIL**" in line for line in lines)
-    assert "| point | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | n |" in lines
-    assert "| rows-100 | 100 | 8 | 0.600 | 0.740 | 0.680 | 0.800 | 200 |" in lines
+    assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 | [0.680, 0.800] (rows-100, 8 epochs) | "
+               "100 members, 100 non-members | **FAIL** |" in line for line in lines)
+    assert "| point | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | members | non_members | n |" in lines
+    assert "| rows-100 | 100 | 8 | 0.600 | 0.740 | 0.680 | 0.800 | 100 | 100 | 200 |" in lines
     assert "| accuracy | 12 | 1.00 | 2.00 |" in lines
 
 
