@@ -53,20 +53,11 @@ class CutProbeOptions:
     progress: bool = True
 
 
-def public_mark(sample: VQASample) -> MarkRecord | None:
-    """The mark of an auxiliary image, from its split's public records (None: a plain image)."""
-    if not is_stamped(sample.dataset):
-        return None
-    return _records(sample.dataset, sample.split).get(sample.image_id)
-
-
-_RECORDS: dict[tuple[str, str], dict[str, MarkRecord]] = {}
-
-
-def _records(dataset: str, split: str) -> dict[str, MarkRecord]:
-    if (dataset, split) not in _RECORDS:
-        _RECORDS[dataset, split] = mark_records(dataset, split)
-    return _RECORDS[dataset, split]
+def public_marks(samples: Sequence[VQASample]) -> list[MarkRecord | None]:
+    """Each auxiliary image's mark, from its split's public records (None: a plain image)."""
+    splits = {(s.dataset, s.split) for s in samples if is_stamped(s.dataset)}
+    records = {split: mark_records(*split) for split in splits}
+    return [records.get((s.dataset, s.split), {}).get(s.image_id) for s in samples]
 
 
 def pooled(rows: Sequence[torch.Tensor]) -> np.ndarray:
@@ -85,7 +76,8 @@ class CutProbe(AdaptiveAttack):
     def fit(self, aux: Sequence[VQASample]) -> "CutProbe":
         """Keeps the stamped auxiliary images, their digits and their frozen vision features."""
         k, o = self.knowledge, self.options
-        marked = [(sample, mark) for sample in aux if (mark := public_mark(sample)) is not None][: o.max_aux]
+        marked = [(sample, mark) for sample, mark in zip(aux, public_marks(aux), strict=True) if mark is not None]
+        marked = marked[: o.max_aux]
         digits = {mark.digit for _, mark in marked}
         if len(digits) < 2:
             raise ValueError(f"cut_probe trains on stamped auxiliary images with at least two digits; {len(marked)} of "

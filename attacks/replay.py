@@ -112,10 +112,15 @@ def recording_at(folder: Path, attack: str, round_: int | None) -> Recording:
         raise ValueError(f"{recording.folder} has no run config in its header: replay needs a run's recording")
     if round_ is None:
         return recording
+    check_replays_by_round(attack)
+    return recording.at_round(round_)
+
+
+def check_replays_by_round(attack: str) -> None:
+    """Refuse a round for an attack that reads no recorded transfer (a model, a release)."""
     reads = attack_class(attack).reads
     if not set(reads) & TRANSFERS:
         raise ValueError(f"{attack} reads {', '.join(reads)}, not a recorded transfer: it has no round to be replayed at")
-    return recording.at_round(round_)
 
 
 def fit_for_run(

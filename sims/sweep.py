@@ -76,7 +76,7 @@ from tqdm.auto import tqdm
 from analysis.provenance import DirtyTree, of_runs, provenance
 from attacks.base import Attack, AttackOptionError, attack_class, available_attacks, checked_options
 from attacks.context import ATTACK_FOLDER
-from attacks.replay import TRANSFERS, fit_for_run, public_setting, replay
+from attacks.replay import check_replays_by_round, fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
 from pruning import DTP_FILE, ORACLE_FILE
 from privacy import parse_defense_names
@@ -282,9 +282,10 @@ def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPl
         if round_ is not None:
             if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 1:
                 raise SweepError(f"attacks.{name}.round: {round_!r}; allowed: a round number >= 1")
-            if not set(attack_class(attack).reads) & TRANSFERS:
-                raise SweepError(f"attacks.{name}.round: {attack} reads {', '.join(attack_class(attack).reads)}, "
-                                 "not a recorded transfer: it has no round to be replayed at")
+            try:
+                check_replays_by_round(attack)
+            except ValueError as error:
+                raise SweepError(f"attacks.{name}.round: {error}") from None
         plans.append(AttackPlan(name, options, where, attack, round_))
     return plans
 
