@@ -51,8 +51,10 @@ REFUSAL_ANSWER = "unanswerable"
 QUESTION_KINDS = ("location", "relation", "exist", "count", "unanswerable")
 ATTRIBUTES = ("color", "shape", "size")
 # Which handwriting pool stamps each split: the attacker's public `aux` split shares the
-# training pool, so a probe is always tested on handwriting it never saw.
-STAMP_POOLS = {"train": "train", "aux": "train", "test": "test"}
+# training pool, so a probe is always tested on handwriting it never saw. `pretrain` is what
+# the public base model is built on (as LLaVA's pretraining data, no client's and no
+# attacker's), so that clients fine-tune and are attacked on rows the base never saw.
+STAMP_POOLS = {"pretrain": "train", "train": "train", "aux": "train", "test": "test"}
 SPLITS = tuple(STAMP_POOLS)
 
 
@@ -85,7 +87,8 @@ class SceneSpec:
     unanswerable_share: float = 0.1
     stamp_share: float = 0.0
     stamp_side: int = 16
-    images: tuple[tuple[str, int], ...] = (("train", 3000), ("aux", 1000), ("test", 500))
+    # The evaluation split comes last (pruning/prepare.py reads it as the held-out split).
+    images: tuple[tuple[str, int], ...] = (("pretrain", 20000), ("train", 3000), ("aux", 1000), ("test", 500))
     seed: int = 0
     kind_weights: tuple[tuple[str, float], ...] = (("location", 1.0), ("relation", 1.0), ("exist", 1.0), ("count", 1.0))
 

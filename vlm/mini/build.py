@@ -270,6 +270,8 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
         spec = get_adapter(recipe.dataset).spec
         if spec.image_size != MINI_SCENES.image_size:
             raise ValueError(f"{recipe.dataset} images are {spec.image_size} px; the model reads {MINI_SCENES.image_size}")
+        if recipe.train_split not in spec.splits:
+            raise ValueError(f"train_split={recipe.train_split!r}: {recipe.dataset} has the splits {', '.join(spec.splits)}")
 
         splits = {split: load_vqa(recipe.dataset, split) for split in spec.splits}
         if not folder.tokenizer.is_dir():
@@ -282,7 +284,7 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
         load = partial(load_weights_into, model)
 
         def vision_stage() -> dict:
-            scenes = split_scenes(spec, "train")
+            scenes = split_scenes(spec, recipe.train_split)
             pixels = preprocess([scene.render() for scene in scenes])
             labels = patch_labels(scenes, spec, MINI_SCENES.patch_size)
             loss = pretrain_scene_vision(model, pixels, labels, spec, recipe, progress=progress)
@@ -298,7 +300,7 @@ def build_scenes(recipe: SceneRecipe, *, root: Path | None = None, progress: boo
             return {}
 
         _stage(folder, report, "features", folder.features, feature_stage, load=features.load)
-        train = list(splits["train"])
+        train = list(splits[recipe.train_split])
 
         def base_stage() -> dict:
             _, loss = train_scene_decoder(model, tokenizer, features, train, recipe, stage="base", progress=progress)

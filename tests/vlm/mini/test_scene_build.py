@@ -25,7 +25,7 @@ QUICK = SceneRecipe(dataset=DATASET, vision_steps=2, vision_batch_size=4, base_s
 def small_scenes():
     # Registered for this module only: the registry's listing is asserted elsewhere.
     with pytest.MonkeyPatch.context() as patch:
-        spec = SceneSpec(images=(("train", 16), ("aux", 2), ("test", 4)), stamp_share=0.5)
+        spec = SceneSpec(images=(("pretrain", 16), ("train", 2), ("aux", 2), ("test", 4)), stamp_share=0.5)
         patch.setitem(registry._ADAPTERS, DATASET, ScenesAdapter(DATASET, spec))
         yield
 
@@ -42,6 +42,12 @@ def test_every_stage_is_recorded_with_the_weights_digest(built):
     assert set(report["stages"]) == {"vision", "features", "base", "vqa"}
     assert report["weights_digest"] == weights_digest(folder)
     assert get_adapter(DATASET).spec.image_size == get_profile("mini-scenes").image_size
+
+
+def test_a_train_split_the_dataset_lacks_is_named_before_any_stage(tmp_path):
+    with pytest.raises(ValueError, match="train_split='validation'.*pretrain, train, aux, test"):
+        build_mini(replace(QUICK, train_split="validation"), root=tmp_path, progress=False)
+    assert not any(tmp_path.rglob("*.safetensors"))
 
 
 def test_two_builds_of_one_recipe_have_one_digest_and_another_seed_another(built, tmp_path):
