@@ -29,13 +29,14 @@ defended weights, not only the method.
 `AdaptiveAttack` is what FORA, SARA and the cut probe share: `adaptive=True` takes the run's
 defenses (`prepare_replay`, or the recording's header) and `attacker_rows` computes the
 attacker's visual rows through both copies, the edge first, as a client's rows pass them;
-`policy_keep_sets` prunes the attacker's images as the run's pruning policy would.
+`policy_view` prunes the attacker's images as the run's pruning policy would.
 
 Where the run's defenses come from (`defenses_for_run`): the run's config (what
 `prepare_replay` is handed), else the recording header's description of them.
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -198,9 +199,9 @@ class AdaptiveAttack(Attack):
         if self.options.adaptive and self.adapted_to is None:
             self.use_defenses(defenses_for_run(self.name, self.run_config, recording))
 
-    def policy_keep_sets(self, images: Sequence[VQASample], features: torch.Tensor) -> list[torch.Tensor] | None:
-        """The keep sets the run's pruning policy gives the attacker's own images (`policy_keep_sets`)."""
-        return policy_keep_sets(self.knowledge, self.run_config, images, features, self.options.batch_size)
+    def policy_view(self, images: Sequence[VQASample], features: torch.Tensor) -> "PolicyView | None":
+        """The run's pruning policy applied to the attacker's own images (`policy_view`)."""
+        return policy_view(self.knowledge, self.run_config, images, features, self.options.batch_size)
 
     def attacker_rows(
         self, model: nn.Module, features: torch.Tensor, images: Sequence[VQASample], keep: Sequence[torch.Tensor]
@@ -220,22 +221,37 @@ class AdaptiveAttack(Attack):
         return rows, list(keep)
 
 
-def policy_keep_sets(
+@dataclass(frozen=True)
+class PolicyView:
+    """What the run's pruning policy makes of the attacker's own images: per image the kept
+    positions, and the features [n, N, Dv] with each kept position holding the row the policy
+    sends there (a merging policy's mixed rows; else the features themselves)."""
+
+    keep: list[torch.Tensor]
+    features: torch.Tensor
+
+
+def policy_view(
     knowledge: AttackerKnowledge, config: SimConfig | None, images: Sequence[VQASample], features: torch.Tensor,
     batch_size: int,
-) -> list[torch.Tensor] | None:
-    """The keep sets the run's pruning policy gives the attacker's own `images` (their vision
-    `features`): the policy built from the run's config as a client builds it, so with its
-    settings and, for a trained policy (DTP), the run's prepared artefacts. None without the
-    run's config, or when the run prunes nothing."""
+) -> PolicyView | None:
+    """The run's pruning policy applied to the attacker's own `images` (their vision `features`):
+    the policy built from the run's config as a client builds it, so with its settings and, for a
+    trained policy (DTP), the run's prepared artefacts. None without the run's config, or when
+    the run prunes nothing."""
     if config is None or config.pruning.policy == "off":
         return None
     k = knowledge
     selector = build_selector(config, tokenizer=k.tokenizer, samples=images, device=k.device, model=k.model,
-                              instruction=k.instruction)
+                              instruction=k.instruction, pixel_values=k.pixel_values)
     step = max(1, batch_size)
-    return [indices.cpu() for start in range(0, len(images), step)
-            for indices in selector(features[start : start + step].to(k.device), images[start : start + step]).keep]
+    keep, sent = [], []
+    for start in range(0, len(images), step):
+        chunk = features[start : start + step].to(k.device)
+        selection = selector(chunk, images[start : start + step])
+        keep += [indices.cpu() for indices in selection.keep]
+        sent.append(selection.sent_grid(chunk).cpu())
+    return PolicyView(keep, torch.cat(sent))
 
 
 def visual_front(

@@ -88,26 +88,27 @@ class CutProbe(AdaptiveAttack):
         self.aux_features = k.features(k.pixel_values(self.aux))
         return self
 
-    def _aux_keep(self, counts: Sequence[int]) -> tuple[list[torch.Tensor], str]:
-        """The auxiliary images' keep sets, and where they came from."""
+    def _aux_keep(self, counts: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor, str]:
+        """The auxiliary images' keep sets, the features their rows are read from, and where the
+        sets came from."""
         k, o = self.knowledge, self.options
-        keep = self.policy_keep_sets(self.aux, self.aux_features) if o.policy_aware else None
-        if keep is not None:
-            return keep, f"the run's policy ({self.run_config.pruning.policy})"
+        view = self.policy_view(self.aux, self.aux_features) if o.policy_aware else None
+        if view is not None:
+            return view.keep, view.features, f"the run's policy ({self.run_config.pruning.policy})"
         generator = torch.Generator().manual_seed(o.seed)
         chosen = torch.randint(len(counts), (len(self.aux),), generator=generator)
         keep = [torch.randperm(k.num_patches, generator=generator)[: counts[int(i)]].sort().values for i in chosen]
-        return keep, "random, of the observed sizes"
+        return keep, self.aux_features, "random, of the observed sizes"
 
     @torch.no_grad()
     def probe(self, counts: Sequence[int]) -> tuple[object, str]:
         """The probe, trained on the attacker's own rows for its stamped auxiliary images."""
         if not hasattr(self, "aux_features"):
             raise RuntimeError("CutProbe.fit(aux) must run before the probe is trained")
-        keep, source = self._aux_keep(counts)
+        keep, features, source = self._aux_keep(counts)
         step = max(1, self.options.batch_size)
         rows = [row for start in range(0, len(self.aux), step) for row in self.attacker_rows(
-            self.knowledge.model, self.aux_features[start : start + step], self.aux[start : start + step],
+            self.knowledge.model, features[start : start + step], self.aux[start : start + step],
             keep[start : start + step])[0]]
         classifier = make_pipeline(StandardScaler(), LogisticRegression(C=self.options.regularisation, max_iter=2000))
         return classifier.fit(pooled(rows), self.aux_digits), source

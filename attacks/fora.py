@@ -11,7 +11,7 @@ Pruned runs send k_b < N rows whose patches the server does not know: the attack
 simulates random keep sets of the observed sizes on its auxiliary data, spreads each
 in-order set evenly over the grid, and lets the decoder learn from that. With
 `policy_aware` it prunes its auxiliary images with the run's own policy instead
-(attacks.adaptive.AdaptiveAttack.policy_keep_sets), so it learns the rows a client's
+(attacks.adaptive.AdaptiveAttack.policy_view), so it learns the rows a client's
 policy keeps, not a random share of them.
 
 Adaptive (`adaptive=True`; the attacker knows the run's defense and its options): the
@@ -77,15 +77,18 @@ class FORA(AdaptiveAttack):
     reads = (ACTIVATION,)
     headline = ("psnr", "mark_readback")
     Options = FORAOptions
-    # The run's policy's keep sets of the auxiliary images (policy_aware), set by `reconstruct`.
+    # The run's policy's keep sets of the auxiliary images (policy_aware), and the features their
+    # rows are read from (`fit`: the auxiliary images'; `reconstruct`: with the policy's merged
+    # rows where it merges).
     policy_keep: list[torch.Tensor] | None = None
+    sent_features: torch.Tensor | None = None
 
     def _rows(self, model: torch.nn.Module, batch: torch.Tensor, keep) -> list[torch.Tensor]:
         """The attacker's visual rows for the auxiliary images at `batch`: through the defenses when adaptive.
 
         In float32 on the CPU, where the observations and FORA's own networks are, whatever device
         and dtype the model computes in (a GPU and bf16 at 7B); still in the substitute's graph."""
-        rows = self.attacker_rows(model, self.aux_features[batch], [self.aux[int(i)] for i in batch], keep)[0]
+        rows = self.attacker_rows(model, self.sent_features[batch], [self.aux[int(i)] for i in batch], keep)[0]
         return [r.float().cpu() for r in rows]
 
     def fit(self, aux: Sequence[VQASample]) -> "FORA":
@@ -95,6 +98,7 @@ class FORA(AdaptiveAttack):
         pixels = k.pixel_values(self.aux)
         self.aux_images = k.unit_images(pixels)
         self.aux_features = k.features(pixels)
+        self.sent_features = self.aux_features
         return self
 
     # -- the attack on rows, usable without a recording -----------------------------------
@@ -103,7 +107,8 @@ class FORA(AdaptiveAttack):
         if not hasattr(self, "aux_features"):
             raise RuntimeError("FORA.fit(aux) must run before reconstruct")
         self.resolve_defenses()
-        self.policy_keep = self.policy_keep_sets(self.aux, self.aux_features) if self.options.policy_aware else None
+        view = self.policy_view(self.aux, self.aux_features) if self.options.policy_aware else None
+        self.policy_keep, self.sent_features = (None, self.aux_features) if view is None else (view.keep, view.features)
         observed = [rows.float() for rows in observed]
         counts = [rows.shape[0] for rows in observed]
         substitute = self.fit_substitute(observed, counts)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from attacks.adaptive import AttackerDefense, defenses_for_run, policy_keep_sets
+from attacks.adaptive import AttackerDefense, defenses_for_run, policy_view
 from attacks.base import ACTIVATION, ACTIVE, IMAGE, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import split_packed, visual_rows
 from attacks.networks import (
@@ -86,8 +86,10 @@ class FSHA(Attack):
 
     # A hijacked run's saved server state (prepare_replay), loaded by `fit` in place of pre-training.
     saved_state: Path | None = None
-    # The run's policy's keep sets of the auxiliary images (policy_aware), set by `fit`.
+    # The run's policy's keep sets of the auxiliary images (policy_aware), and the features their
+    # rows are read from (the policy's merged rows where it merges), set by `fit`.
     policy_keep: list[torch.Tensor] | None = None
+    sent_features: torch.Tensor | None = None
     # The run's config (prepare_replay): where an adaptive attack finds the run's defenses.
     run_config: SimConfig | None = None
     # The defenses the decoder was fine-tuned on (None: not adapted).
@@ -112,8 +114,8 @@ class FSHA(Attack):
         )
         self.generator = torch.Generator().manual_seed(o.seed)
         self.adapted_to = None
-        self.policy_keep = (policy_keep_sets(k, self.run_config, self.aux, self.aux_features, o.batch_size)
-                            if o.policy_aware else None)
+        view = policy_view(k, self.run_config, self.aux, self.aux_features, o.batch_size) if o.policy_aware else None
+        self.policy_keep, self.sent_features = (None, self.aux_features) if view is None else (view.keep, view.features)
         if self.saved_state is not None:
             self.load_state(self.saved_state)
         else:
@@ -140,7 +142,7 @@ class FSHA(Attack):
         for _ in tqdm(range(o.adaptive_steps), desc="FSHA adaptive decoder", disable=not o.progress):
             batch = torch.randint(len(self.aux), (size,), generator=generator)
             with torch.no_grad():
-                rows = self._on_grid(defense.visual_rows(self.pilot, self.aux_features[batch], self._keep(batch)))
+                rows = self._on_grid(defense.visual_rows(self.pilot, self.sent_features[batch], self._keep(batch)))
             loss = F.mse_loss(self.decoder(rows), self.aux_images[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -164,7 +166,7 @@ class FSHA(Attack):
 
     def _pilot_rows(self, batch: torch.Tensor) -> torch.Tensor:
         k = self.knowledge
-        return self._on_grid(visual_rows(self.pilot, self.aux_features[batch], k.prefix_ids, k.first_cut,
+        return self._on_grid(visual_rows(self.pilot, self.sent_features[batch], k.prefix_ids, k.first_cut,
                                          self._keep(batch)))
 
     def _autoencoder_step(self) -> float:

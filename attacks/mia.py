@@ -132,8 +132,7 @@ class MIA(Attack):
         stacked = torch.stack([self._features[s.image_id] for s in batch]).to(k.device)
         rows = list(stacked)
         if self.query_selector is not None:
-            keep = self.query_selector(stacked, list(batch)).keep
-            rows = [stacked[i, indices] for i, indices in enumerate(keep)]
+            rows = self.query_selector(stacked, list(batch)).rows(stacked)
         visual = [project_visual_features(model, r.unsqueeze(0))[0] for r in rows]
         inputs = merge_multimodal_inputs(model, [k.prompt_ids(s.question) for s in batch], visual,
                                          [k.answer_ids(a) for a in answers])
@@ -222,7 +221,8 @@ class MIA(Attack):
         self.set_target(final_model(run))
         if run.config.pruning.policy != "off":
             self.query_selector = build_selector(run.config, tokenizer=self.knowledge.tokenizer, device=self.knowledge.device,
-                                                 model=self.knowledge.model, instruction=self.knowledge.instruction)
+                                                 model=self.knowledge.model, instruction=self.knowledge.instruction,
+                                                 pixel_values=self.knowledge.pixel_values)
             self.query_policy = run.config.pruning.policy
         if run.config.data.canaries:
             self.audit_delta = run.config.privacy.dp.delta

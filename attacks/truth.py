@@ -176,7 +176,8 @@ class RunTruth:
         tokenizer = self.data.tokenizer(party.bundle)
         features = VisionFeatureCache(party.model, party.bundle.preprocess_images)
         return party.model, features, build_selector(self.config, tokenizer=tokenizer, device=party.device,
-                                                      model=party.model, instruction=party.instruction)
+                                                      model=party.model, instruction=party.instruction,
+                                                      pixel_values=features.sample_pixel_values)
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """With data.canaries: the canaries the clients trained on (under paradigm mtv: those a

@@ -315,6 +315,7 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
             device=party.device,
             model=party.model,
             instruction=party.instruction,
+            pixel_values=features.sample_pixel_values,
         ),
         defenses=build_defenses(config),
         store=store,

@@ -460,6 +460,11 @@ def _validate_privacy(config: SimConfig) -> None:
     _validate_mtv(config)
     # The active EDGE defenses against the profile's tower, before it loads.
     profile = get_profile(config.model.profile)
+    edge = [name for name in names if defense_class(name).stage == EDGE]
+    if edge and get_policy(config.pruning.policy).merges:
+        raise ConfigError("pruning.policy", config.pruning.policy,
+                          f"a policy that sends its kept rows unmerged with {', '.join(edge)} in privacy.defenses "
+                          "(the vision edge sends its own tokens by position; a merged row has none)")
     for name in names:
         if defense_class(name).stage != EDGE:
             continue

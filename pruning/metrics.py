@@ -126,12 +126,15 @@ class PruningRecord:
         *,
         sensitivity: torch.Tensor | None = None,
         marks: Sequence[Sequence[int]] = (),
+        sources: Sequence[torch.Tensor] | None = None,
     ) -> "PruningRecord":
         """`keep`: per-sample indices; `sensitivity` [B, N] if the policy scores patches;
-        `marks`: per sample, the patches holding its mark (empty when unstamped)."""
+        `marks`: per sample, the patches holding its mark (empty when unstamped); `sources`: per
+        sample, the patches whose content is sent (Selection.sources; None: the kept ones), so a
+        mark patch merged into a kept token counts as sent, not removed."""
         ratios = sensitivity_exclusion_ratios(sensitivity, keep) if sensitivity is not None else []
         mark_total = mark_removed = 0
-        for indices, mark in zip(keep, marks, strict=False):
+        for indices, mark in zip(keep if sources is None else sources, marks, strict=False):
             kept = set(indices.tolist())
             mark_total += len(mark)
             mark_removed += sum(patch not in kept for patch in mark)

@@ -131,9 +131,10 @@ def sent_visual_rows(
         rows, positions = select_sent(output, selection.keep, patches)
     else:
         positions = list(selection.keep)
-        rows = [stacked[i, indices] for i, indices in enumerate(positions)]
+        rows = selection.rows(stacked)
     pruned = PruningRecord.of_batch(
-        positions, patches, sensitivity=selection.sensitivity, marks=[marks.get(s.image_id, ()) for s in samples]
+        positions, patches, sensitivity=selection.sensitivity, marks=[marks.get(s.image_id, ()) for s in samples],
+        sources=selection.sources(),
     )
     return SentVisualRows(rows, positions, pruned)
 

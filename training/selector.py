@@ -7,7 +7,7 @@ tokens, after the head's decoder layers, ever cross a cut. The run config's
 `pruning.*` keys pick and parametrise a policy from pruning's registry.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,10 +29,12 @@ def build_selector(
     device: str | torch.device = "cpu",
     model: nn.Module | None = None,
     instruction: str | None = None,
+    pixel_values: Callable[[Sequence[VQASample]], torch.Tensor] | None = None,
 ) -> VisualTokenSelector:
     """The configured policy's selector; `samples` (all this client will see) get their
     frozen pruning inputs encoded once, kept at `cache_path`; `model` (the client's own) and its
-    prompt `instruction` serve the policies that rank with the decoder's attention."""
+    prompt `instruction` serve the policies that rank with the decoder's attention, `model` and
+    `pixel_values` (its preprocessing of samples' images) those that rank inside the vision tower."""
     pruning = config.pruning
     context = PolicyContext(
         profile=config.model.profile,
@@ -51,5 +53,6 @@ def build_selector(
         model=model,
         instruction=instruction,
         client_layers=config.client_layers,
+        pixel_values=pixel_values,
     )
     return build_policy(pruning.policy, context)

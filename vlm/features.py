@@ -80,11 +80,15 @@ class VisionFeatureCache:
             range(0, len(todo), self.batch_size), desc="vision features", unit="batch", disable=not progress
         ):
             batch = todo[start : start + self.batch_size]
-            pixel_values = self.preprocess_images([sample.image for sample in batch])
+            pixel_values = self.sample_pixel_values(batch)
             device = next(self.model.parameters()).device
             features = vision_features(self.model, pixel_values.to(device)).cpu()
             for sample, feature in zip(batch, features, strict=True):
                 self._features[sample.image_id] = feature.clone()
+
+    def sample_pixel_values(self, samples: Sequence[VQASample]) -> torch.Tensor:
+        """The model's input pixels [B, 3, H, W] for samples' images."""
+        return self.preprocess_images([sample.image for sample in samples])
 
     def stack(self, samples: Sequence[VQASample]) -> torch.Tensor:
         """[B, N, Dv] features for a batch of samples."""

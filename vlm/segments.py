@@ -104,6 +104,49 @@ def vision_hidden_states(model: nn.Module, pixel_values: torch.Tensor, tower: nn
     return hidden_states
 
 
+@dataclass
+class FeatureLayerAttention:
+    """What the vision feature layer's self-attention reads (VisionZip's inputs): `cls` [B, N],
+    the attention the CLS row pays each patch row, summed over heads; `keys` [B, N, Dh], the
+    patch rows' keys averaged over heads."""
+
+    cls: torch.Tensor
+    keys: torch.Tensor
+
+
+def feature_layer_attention(model: nn.Module, pixel_values: torch.Tensor) -> FeatureLayerAttention:
+    """The self-attention of the vision layer whose output LLaVA reads, from its query and key
+    projections (the layer's forward returns no weights): run the layers before it as
+    `vision_hidden_states` does, then softmax(q kᵀ · scale + mask) of that layer's input."""
+    parts = llava_parts(model)
+    if parts.config.vision_feature_select_strategy != "default":
+        raise ValueError("feature_layer_attention reads patch rows behind a CLS row: it needs "
+                         f"vision_feature_select_strategy='default', not {parts.config.vision_feature_select_strategy!r}")
+    tower = parts.vision_tower
+    layers = tower.encoder.layers
+    layer_index = parts.config.vision_feature_layer % (len(layers) + 1) - 1
+    if layer_index < 0:
+        raise ValueError("the vision feature layer is the embeddings: no attention layer produced the features")
+    hidden = tower.pre_layrnorm(tower.embeddings(pixel_values))
+    mask = local_attention_mask(parts.config.vision_config, hidden)
+    for layer in layers[:layer_index]:
+        hidden = layer(hidden, mask)
+    layer = layers[layer_index]
+    attention = layer.self_attn
+    inputs = layer.layer_norm1(hidden)
+    batch, length, _ = inputs.shape
+
+    def heads(projection: nn.Module) -> torch.Tensor:
+        return projection(inputs).view(batch, length, attention.num_heads, attention.head_dim).transpose(1, 2)
+
+    queries, keys = heads(attention.q_proj), heads(attention.k_proj)
+    logits = queries @ keys.transpose(-1, -2) * attention.scale
+    if mask is not None:
+        logits = logits + mask
+    weights = logits.float().softmax(-1)
+    return FeatureLayerAttention(cls=weights[:, :, 0, 1:].sum(1), keys=keys[:, :, 1:].mean(1))
+
+
 def vision_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """Patch features [B, N, Dv] at the configured vision feature layer."""
     return vision_hidden_states(model, pixel_values)[-1]

@@ -3,7 +3,9 @@
 Every policy builds a VisualTokenSelector, which runs on the client between the frozen
 vision tower and the projector and returns a Selection: per sample, the ascending indices
 of the patches to keep, and the sensitivity map it ranked with (one pass of a scorer gives
-both). The indices never leave the client; only the kept tokens' activations do.
+both). The indices never leave the client; only the kept tokens' activations do. A merging
+policy (VisionZip's contextual tokens) also gives each kept position the mix of patch rows
+its token is made of: `Selection.rows` is what is sent, `Selection.sources` whose content.
 
 A policy is a `PolicySpec` registered by name. Its `Options` dataclass holds the settings
 that are its own, each the run-config key `pruning.<option>` (its defaults, a comment on
@@ -33,6 +35,32 @@ class Selection:
 
     keep: list[torch.Tensor]
     sensitivity: torch.Tensor | None = None
+    # A merging policy's per-sample weights [k_b, N]: row j makes the token sent at keep[j] as a
+    # mix of the sample's patch rows. None: every kept row is sent as it is.
+    mixing: list[torch.Tensor] | None = None
+
+    def rows(self, grid: torch.Tensor) -> list[torch.Tensor]:
+        """Per sample, the rows sent from `grid` [B, N, D] (the features the selector saw)."""
+        if self.mixing is None:
+            return [grid[i, indices] for i, indices in enumerate(self.keep)]
+        return [weights.to(grid.device, grid.dtype) @ grid[i] for i, weights in enumerate(self.mixing)]
+
+    def sent_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """`grid` with each kept position holding the row sent there, so that `grid[b, keep[b]]`
+        reads what is sent (the grid itself when nothing is merged)."""
+        if self.mixing is None:
+            return grid
+        sent = grid.clone()
+        for i, (indices, rows) in enumerate(zip(self.keep, self.rows(grid), strict=True)):
+            sent[i, indices.to(grid.device)] = rows
+        return sent
+
+    def sources(self) -> list[torch.Tensor]:
+        """Per sample, the ascending patches whose content is in some sent row: the kept ones,
+        and those a merging policy mixed into them."""
+        if self.mixing is None:
+            return list(self.keep)
+        return [weights.ne(0).any(0).nonzero().squeeze(1) for weights in self.mixing]
 
 
 class VisualTokenSelector(Protocol):
@@ -50,7 +78,8 @@ class PolicyContext:
     when given; `random_encoders` asks for seeded random encoders even where the profile
     names real checkpoints. `model` is the client's own VLM and `instruction` its prompt's
     (vqa.build_prompt), for the policies that rank with the decoder's attention; `client_layers`
-    the decoder layers the client runs before the first cut (None: all of them).
+    the decoder layers the client runs before the first cut (None: all of them); `pixel_values`
+    the model's preprocessing of samples' images, for those that rank inside the vision tower.
     """
 
     profile: str
@@ -69,6 +98,7 @@ class PolicyContext:
     model: nn.Module | None = None
     instruction: str | None = None
     client_layers: int | None = None
+    pixel_values: Callable[[Sequence[VQASample]], torch.Tensor] | None = None
 
 
 @dataclass
@@ -96,14 +126,16 @@ class RatioOptions:
 @dataclass(frozen=True)
 class PolicySpec:
     """A registered policy: how to build it, its own options, the option that sets how many
-    patches it keeps (None: it decides per sample, or keeps all), and which artefact file (in
-    `pruning.artifacts`) it requires, if any."""
+    patches it keeps (None: it decides per sample, or keeps all), which artefact file (in
+    `pruning.artifacts`) it requires, if any, and whether it merges patch rows (`Selection.mixing`:
+    the vision edge's defenses, which send their own tokens by position, cannot follow it)."""
 
     name: str
     build: Callable[[PolicyContext], VisualTokenSelector]
     Options: type = NoOptions
     budget: str | None = None
     required_artifact: str | None = None
+    merges: bool = False
 
 
 POLICIES: Registry[PolicySpec] = Registry(

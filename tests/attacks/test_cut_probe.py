@@ -72,16 +72,30 @@ def test_the_attacker_prunes_its_images_as_the_runs_policy_would(knowledge, stam
     attack = build_attack("cut_probe", knowledge, progress=False, batch_size=32).fit(aux)
     attack.run_config = load_config({"output.name": "probe", "model.profile": "tiny", "pruning.policy": "random",
                                      "pruning.ratio": 0.75, "pruning.seed": 3})
-    keep, source = attack._aux_keep([10])
+    keep, features, source = attack._aux_keep([10])
     options = policy_options(get_policy("random"), {"ratio": 0.75})
     expected = build_policy("random", PolicyContext(profile="tiny", options=options, seed=3))(
         attack.aux_features, attack.aux).keep
-    assert source == "the run's policy (random)"
+    assert source == "the run's policy (random)" and torch.equal(features, attack.aux_features)
     assert all(torch.equal(a, b) for a, b in zip(keep, expected, strict=True))
     # Without the run's config: random keep sets of the observed sizes.
     attack.run_config = None
-    keep, source = attack._aux_keep([3, 5])
+    keep, _, source = attack._aux_keep([3, 5])
     assert source == "random, of the observed sizes" and {len(k) for k in keep} == {3, 5}
+
+
+def test_an_attacker_that_knows_a_merging_policy_reads_its_merged_rows(knowledge, stamped):
+    _, aux, _ = stamped
+    attack = build_attack("cut_probe", knowledge, progress=False, batch_size=32).fit(aux)
+    attack.run_config = load_config({"output.name": "probe", "model.profile": "tiny", "pruning.policy": "visionzip",
+                                     "pruning.ratio": 0.75})
+    keep, features, _ = attack._aux_keep([10])
+    options = policy_options(get_policy("visionzip"), {"ratio": 0.75})
+    selection = build_policy("visionzip", PolicyContext(profile="tiny", options=options, model=knowledge.model,
+                                                        pixel_values=knowledge.pixel_values))(attack.aux_features, attack.aux)
+    sent = selection.rows(attack.aux_features)
+    assert all(torch.allclose(features[i, indices], rows) for i, (indices, rows) in enumerate(zip(keep, sent, strict=True)))
+    assert not torch.allclose(features, attack.aux_features)
 
 
 def test_auxiliary_images_without_marks_are_refused(knowledge):

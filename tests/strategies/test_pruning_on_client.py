@@ -85,10 +85,11 @@ def test_keep_indices_never_leave_the_client(paradigm, run_config, fake_grid, mo
             assert all(not isinstance(value, list) for value in config_record.values())
 
 
-@pytest.mark.parametrize("policy", ["fastv", "sparsevlm"])
-def test_an_attention_ranked_policy_prunes_on_the_client_with_the_layers_it_holds(policy, run_config, fake_grid):
+@pytest.mark.parametrize(("policy", "options"), [("fastv", {"pruning.attention_layer": 0}),
+                                                ("sparsevlm", {"pruning.attention_layer": 0}), ("visionzip", {})])
+def test_a_policy_that_ranks_with_the_clients_own_model_prunes_on_the_client(policy, options, run_config, fake_grid):
     raw = run_config(paradigm="usl", **{"clients.count": 2, "train.steps_per_round": 2, "eval.every": 1,
-                                        "pruning.policy": policy, "pruning.ratio": 0.5, "pruning.attention_layer": 0})
+                                        "pruning.policy": policy, "pruning.ratio": 0.5, **options})
     folder = run(fake_grid(client_app, raw, 2), load_config(raw))
     record = json.loads((folder.path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["kept_tokens_mean"] == record["kept_tokens_max"] == keep_count(0.5, TINY_PATCHES, TINY_K_MIN)
