@@ -23,6 +23,7 @@ Large objects fill their cell; small ones fill one quarter of it (one 8-px patch
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -234,6 +235,17 @@ def render_scene(spec: SceneSpec, objects: Sequence[SceneObject], mark: MarkReco
     return stamp(image, mark) if mark is not None else image
 
 
+def related_objects(objects: Sequence[SceneObject], reference: SceneObject, relation: str) -> list[SceneObject]:
+    """The objects standing `relation` ("left of", ...) the reference, by grid cell."""
+    row_sign, col_sign = RELATIONS[relation]
+    return [
+        obj for obj in objects
+        if obj is not reference
+        and (row_sign == 0 or np.sign(obj.row - reference.row) == row_sign)
+        and (col_sign == 0 or np.sign(obj.col - reference.col) == col_sign)
+    ]
+
+
 def _count_word(count: int) -> str:
     return str(count)
 
@@ -271,13 +283,7 @@ class _QuestionMaker:
         return [obj for obj in self.objects if described.count(obj.describe()) == 1]
 
     def _related(self, reference: SceneObject, relation: str) -> list[SceneObject]:
-        row_sign, col_sign = RELATIONS[relation]
-        return [
-            obj for obj in self.objects
-            if obj is not reference
-            and (row_sign == 0 or np.sign(obj.row - reference.row) == row_sign)
-            and (col_sign == 0 or np.sign(obj.col - reference.col) == col_sign)
-        ]
+        return related_objects(self.objects, reference, relation)
 
     def relation(self) -> SceneQuestion | None:
         options = [
@@ -408,6 +414,48 @@ def generate_scene(spec: SceneSpec, split: str, number: int) -> Scene:
             image_side=spec.image_size,
         )
     return Scene(split, number, spec, tuple(objects), mark, _questions(spec, objects, rng))
+
+
+_QUADRANT = "|".join(QUADRANTS)
+_RELATION = "|".join(RELATIONS)
+_TEMPLATES = (
+    ("location", re.compile(rf"^What (?:(?P<attribute>color|size) is the shape|(?P<shape>shape) is) in the (?P<quadrant>{_QUADRANT})\?$")),
+    ("relation", re.compile(rf"^What (?:(?P<attribute>color) is the shape|(?P<shape>shape) is) (?P<relation>{_RELATION}) "
+                            r"the (?P<color>\w+) (?P<kind>\w+)\?$")),
+    ("exist", re.compile(r"^Is there a (?P<color>\w+) (?P<kind>\w+)\?$")),
+    ("count", re.compile(r"^How many (?:(?P<color>\w+) shapes|(?P<kind>\w+)s) are there\?$")),
+)
+
+
+def answer_in_scene(scene: Scene, question: str) -> str | None:
+    """What `scene` answers to a question of this benchmark's templates, asked of any image (the
+    irrelevant-question probe pairs an image with another image's questions): REFUSAL_ANSWER where
+    the quadrant is empty or the object referred to is absent; None where the question is not one
+    of the templates or is ambiguous here (two shapes in the quadrant, two objects it could refer
+    to or relate to, none related)."""
+    for kind, template in _TEMPLATES:
+        if (match := template.match(question)) is None:
+            continue
+        parts = match.groupdict()
+        attribute = parts.get("attribute") or "shape"
+        if kind == "location":
+            inside = [obj for obj in scene.objects if quadrant_of(obj, scene.spec.cells) == parts["quadrant"]]
+            if not inside:
+                return REFUSAL_ANSWER
+            return getattr(inside[0], attribute) if len(inside) == 1 else None
+        if kind == "relation":
+            references = [obj for obj in scene.objects if (obj.color, obj.shape) == (parts["color"], parts["kind"])]
+            if not references:
+                return REFUSAL_ANSWER
+            related = related_objects(scene.objects, references[0], parts["relation"]) if len(references) == 1 else []
+            return getattr(related[0], attribute) if len(related) == 1 else None
+        if kind == "exist":
+            present = any((obj.color, obj.shape) == (parts["color"], parts["kind"]) for obj in scene.objects)
+            return "yes" if present else "no"
+        if parts["color"] is not None:
+            return _count_word(sum(obj.color == parts["color"] for obj in scene.objects))
+        return _count_word(sum(obj.shape == parts["kind"] for obj in scene.objects))
+    return None
 
 
 def box_patches(box: Box, original: int, image_size: int, patch_size: int) -> tuple[int, ...]:

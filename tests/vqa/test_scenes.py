@@ -12,7 +12,7 @@ import pytest
 
 from vqa import PRIVATE, PUBLIC, REFUSAL_ANSWER, SceneSpec, SceneSpecError, load_privacy_bags, load_vqa, mark_patches, mark_records, needed_patches
 from vqa.adapters.scenes import ScenesAdapter
-from vqa.scenes import BACKGROUND_RGB, QUESTION_KINDS, box_patches, generate_scene, quadrant_of
+from vqa.scenes import BACKGROUND_RGB, QUESTION_KINDS, answer_in_scene, box_patches, generate_scene, quadrant_of
 from vqa.stamping import digit_pools
 
 SMALL = SceneSpec(images=(("train", 60), ("aux", 10), ("test", 40)), stamp_share=0.5)
@@ -145,3 +145,26 @@ def test_a_setting_that_cannot_be_generated_is_refused_naming_the_key(changes, k
 def test_a_source_is_refused_rather_than_ignored():
     with pytest.raises(Exception, match="reads no source"):
         load_vqa("scenes", "test", source="/somewhere")
+
+
+def test_a_scene_answers_its_own_questions_as_they_were_generated():
+    scenes = [generate_scene(SMALL, "test", number) for number in range(40)]
+    asked = [(scene, question) for scene in scenes for question in scene.questions]
+    assert {question.kind for _, question in asked} == set(QUESTION_KINDS)
+    assert all(answer_in_scene(scene, question.question) == question.answer for scene, question in asked)
+
+
+def test_another_images_question_is_answered_from_this_scene_or_refused():
+    scene = generate_scene(SMALL, "test", 0)
+    occupied = {quadrant_of(obj, SMALL.cells) for obj in scene.objects}
+    empty = next(q for q in ("top left", "top right", "bottom left", "bottom right") if q not in occupied)
+    assert answer_in_scene(scene, f"What color is the shape in the {empty}?") == REFUSAL_ANSWER
+    present = {(obj.color, obj.shape) for obj in scene.objects}
+    absent = next((c, s) for c in SMALL.colors for s in SMALL.shapes if (c, s) not in present)
+    assert answer_in_scene(scene, f"What shape is left of the {absent[0]} {absent[1]}?") == REFUSAL_ANSWER
+    assert answer_in_scene(scene, f"Is there a {absent[0]} {absent[1]}?") == "no"
+    # Not a template of the benchmark, or ambiguous here: no answer to score against.
+    assert answer_in_scene(scene, "What is the weather like?") is None
+    two = dataclasses.replace(scene, objects=(*scene.objects, *scene.objects))
+    first = scene.objects[0]
+    assert answer_in_scene(two, f"What shape is above the {first.color} {first.shape}?") is None
