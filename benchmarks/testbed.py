@@ -490,19 +490,15 @@ def measure_probes(bed: Testbed) -> dict[str, Any]:
 
 def measure_scorer(bed: Testbed, folder: Path) -> dict[str, Any]:
     from pruning import PolicyContext, build_policy
-    from pruning.prepare import PrepareSettings, _random_encoders
+    from pruning.prepare import prepared_policy_settings
 
     report = json.loads((folder / "prepare.json").read_text())
     settings = report["settings"]
-    prepared = PrepareSettings(**{key: value for key, value in settings.items()
-                                  if key in inspect.signature(PrepareSettings).parameters})
     test = bed.test
     stamped = bed.stamped_probe_samples("test")
     selector = build_policy("dtp", PolicyContext(
-        profile=settings["profile"], alpha=settings["alpha"], beta=settings["beta"], seed=settings.get("seed", 0),
-        artifacts=folder, random_encoders=_random_encoders(prepared),
-        text_source=settings.get("text_source") or None, dino_source=settings.get("dino_source") or None,
-        tokenizer=bed.bundle.tokenizer, samples=[*test, *stamped],
+        profile=settings["profile"], tokenizer=bed.bundle.tokenizer, samples=[*test, *stamped],
+        **prepared_policy_settings(folder),
     ))
     bed.features.add([*test, *stamped], progress=False)
 

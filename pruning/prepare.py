@@ -35,6 +35,7 @@ report. The artefacts record α and β, so DTP at α = 1 and α = 0 needs two fo
 """
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -466,6 +467,17 @@ def check_weights(settings: PrepareSettings) -> None:
             f"{error} With qpriv-prune prepare: --model-source DIR (LLaVA), --text-source DIR (CLIP), "
             "--dino-source DIR (DINOv2)."
         ) from error
+
+
+def prepared_policy_settings(folder: Path) -> dict[str, Any]:
+    """The PolicyContext settings that read a prepared folder as it was made (its prepare.json):
+    the fusion weights, the seed, the folder, and the encoders it was prepared with."""
+    settings = json.loads((folder / "prepare.json").read_text())["settings"]
+    prepared = PrepareSettings(**{key: value for key, value in settings.items()
+                                  if key in inspect.signature(PrepareSettings).parameters})
+    return {"alpha": settings["alpha"], "beta": settings["beta"], "seed": settings.get("seed", 0), "artifacts": folder,
+            "random_encoders": _random_encoders(prepared), "text_source": settings.get("text_source") or None,
+            "dino_source": settings.get("dino_source") or None}
 
 
 def _random_encoders(settings: PrepareSettings) -> bool:
