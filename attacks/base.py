@@ -62,6 +62,10 @@ class Truth(Protocol):
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         """Candidates for membership inference: (members, non-members)."""
 
+    def canaries(self) -> tuple[list[VQASample], list[VQASample]] | None:
+        """The audit's canaries, (included, excluded), each included by a fair coin (data.canaries);
+        None when the run has none."""
+
     def mark(self, sample: VQASample) -> MarkRecord | None:
         """The stamped benchmark's mark in a sample's image (None: a plain image)."""
 

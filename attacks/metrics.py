@@ -8,12 +8,12 @@ formula. Every image metric takes [B, 3, H, W] tensors in [0, 1].
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from rouge_score import rouge_scorer
-from scipy.stats import beta
+from scipy.stats import binom
 from sklearn.metrics import roc_auc_score, roc_curve
 from torchmetrics.functional.image import (
     peak_signal_noise_ratio,
@@ -91,37 +91,76 @@ def membership_metrics(scores: Sequence[float], is_member: Sequence[bool]) -> di
     return metrics
 
 
-def audit_epsilon(scores: Sequence[float], is_member: Sequence[bool], delta: float, *, confidence: float = 0.95,
-                  seed: int = 0) -> dict[str, float]:
-    """An empirical lower bound on epsilon from a membership audit (Jagielski et al. 2020; Nasr et
-    al. 2021): any (epsilon, delta)-DP training bounds every test's false positive and false
-    negative rates by FNR >= (1 - delta - FPR) / e^epsilon, so the rates an attack reaches give
-    epsilon >= log((1 - delta - FNR) / FPR) (and with the roles swapped). The rates are taken at
-    their one-sided Clopper–Pearson upper bounds at `confidence`, and the threshold is chosen on
-    a random half of the candidates and bounded on the other half, so the bound holds at that
-    confidence (written here: the formula is a few lines over scipy's beta quantiles)."""
-    scores, labels = np.asarray(scores, dtype=float), np.asarray(is_member, dtype=bool)
-    order = np.random.default_rng(seed).permutation(len(scores))
-    choose, bound = order[: len(order) // 2], order[len(order) // 2 :]
-
-    def epsilon_at(threshold: float, part: np.ndarray) -> float:
-        member, guessed = labels[part], scores[part] >= threshold
-        fpr = _clopper_pearson_upper(int((guessed & ~member).sum()), int((~member).sum()), confidence)
-        fnr = _clopper_pearson_upper(int((~guessed & member).sum()), int(member.sum()), confidence)
-        return max(np.log(max(1 - delta - fnr, 1e-300) / fpr), np.log(max(1 - delta - fpr, 1e-300) / fnr))
-
-    if not (labels[choose].any() and (~labels[choose]).any() and labels[bound].any() and (~labels[bound]).any()):
-        raise ValueError("the membership audit needs members and non-members in both halves of its candidates")
-    threshold = max(np.unique(scores[choose]), key=lambda t: epsilon_at(t, choose))
-    return {"audit_epsilon": max(0.0, float(epsilon_at(threshold, bound))),
-            "audit_delta": float(delta), "audit_confidence": float(confidence)}
+# The auditor's guess counts (Steinke et al. 2023 guess "member" for the k+ highest scores and
+# "non-member" for the k- lowest, abstaining on the rest): shares of the canaries, each side.
+# Fixed before any score is seen; the bound pays for trying them all (Bonferroni).
+GUESS_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
-def _clopper_pearson_upper(successes: int, trials: int, confidence: float) -> float:
-    """The one-sided Clopper–Pearson upper bound of a binomial rate."""
-    if successes >= trials:
-        return 1.0
-    return float(beta.ppf(confidence, successes + 1, trials - successes))
+def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """The probability that an (epsilon, delta)-DP training lets an auditor guess `correct` or more of
+    its `guesses` right, each of `canaries` included independently with probability 1/2 (Steinke,
+    Nasr & Jagielski 2023, Theorem 5.2): P[Binomial(r, q) >= v] + 2·m·delta·max_i P[v > Binomial(r, q)
+    >= v - i] / i, with q = e^epsilon / (1 + e^epsilon), the accuracy of epsilon-DP randomized response."""
+    if not 0 <= correct <= guesses <= canaries:
+        raise ValueError(f"need 0 <= correct ({correct}) <= guesses ({guesses}) <= canaries ({canaries})")
+    q = 1 / (1 + np.exp(-epsilon))
+    tail = float(binom.sf(correct - 1, guesses, q))
+    if delta == 0 or correct == 0:
+        return min(1.0, tail)
+    below = np.cumsum(binom.pmf(correct - np.arange(1, correct + 1), guesses, q))
+    return min(1.0, tail + 2 * canaries * delta * float((below / np.arange(1, correct + 1)).max()))
+
+
+def one_run_epsilon(canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95) -> float:
+    """The largest epsilon that `correct` of `guesses` right rejects at `confidence` (one_run_p_value
+    below 1 - confidence): the one-run audit's lower bound; 0 when not even epsilon = 0 is rejected.
+    By bisection (the p-value grows with epsilon; written here: a few lines over scipy's binomial)."""
+    level = 1 - confidence
+    if one_run_p_value(canaries, guesses, correct, 0.0, delta) >= level:
+        return 0.0
+    low, high = 0.0, 1.0
+    while one_run_p_value(canaries, guesses, correct, high, delta) < level:
+        low, high = high, 2 * high
+        if high > 1e3:  # a perfect guess of more canaries than any test here
+            return low
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if one_run_p_value(canaries, guesses, correct, middle, delta) < level else (low, middle)
+    return low
+
+
+def one_run_audit(scores: Sequence[float], included: Sequence[bool], delta: float, *, confidence: float = 0.95,
+                  guess_shares: Sequence[float] = GUESS_SHARES) -> dict[str, float]:
+    """Steinke et al.'s one-run audit of a training whose canaries were each included independently
+    with probability 1/2 (`included`; `scores`: the attack's membership scores, higher = member).
+    For each guess share s in `guess_shares` the auditor guesses "in" for the round(s·m) highest
+    scores and "out" for as many lowest, abstaining on the rest; each choice is tested at
+    (1 - confidence) / len(guess_shares), so the best of them holds at `confidence`."""
+    scores, labels = np.asarray(scores, dtype=float), np.asarray(included, dtype=bool)
+    canaries = len(scores)
+    if canaries != len(labels) or canaries < 2:
+        raise ValueError(f"the one-run audit needs one inclusion flag per score and at least 2 canaries, got "
+                         f"{canaries} scores and {len(labels)} flags")
+    order = np.argsort(-scores, kind="stable")
+    each = 1 - (1 - confidence) / len(guess_shares)
+    best = {"audit_epsilon": 0.0, "audit_guesses": 0, "audit_correct": 0}
+    for share_ in guess_shares:
+        side = min(canaries // 2, max(1, round(share_ * canaries)))
+        correct = int(labels[order[:side]].sum() + (~labels[order[-side:]]).sum())
+        epsilon = one_run_epsilon(canaries, 2 * side, correct, delta, each)
+        if epsilon > best["audit_epsilon"] or not best["audit_guesses"]:
+            best = {"audit_epsilon": epsilon, "audit_guesses": 2 * side, "audit_correct": correct}
+    return {**best, "audit_canaries": canaries, "audit_delta": float(delta), "audit_confidence": float(confidence)}
+
+
+def canary_audit(score: Callable[[list], Sequence[float]], truth, delta: float) -> dict[str, float]:
+    """`one_run_audit` over the truth's canaries (every one, included or not), scored by `score`."""
+    canaries = truth.canaries()
+    if canaries is None:
+        raise ValueError("the canary audit needs a run with data.canaries (its truth has no canaries)")
+    included, excluded = canaries
+    return one_run_audit(score([*included, *excluded]), [True] * len(included) + [False] * len(excluded), delta)
 
 
 def token_precision_recall(recovered: Sequence[int], original: Sequence[int]) -> tuple[float, float]:

@@ -18,9 +18,10 @@ attacker guesses the most common auxiliary answer of that kind.
 
 `mia_loss` is the loss-threshold attack (Yeom et al., CSF 2018): a record's score is the
 target's likelihood of its answer, no shadow models. On a run with canaries (data.canaries:
-training samples with random answers, and matched ones never trained on) both attacks are a
-membership audit: beside AUC and TPR at low FPR they report an empirical lower bound on
-epsilon (attacks.metrics.audit_epsilon), and the accountant's epsilon from the run's status.
+rows with random answers, each put in a client's training data by a fair coin) both attacks are
+a membership audit: beside AUC and TPR at low FPR they report Steinke et al.'s one-run lower
+bound on epsilon over every canary (attacks.metrics.canary_audit), and the accountant's epsilon
+from the run's status.
 """
 
 import json
@@ -39,7 +40,7 @@ from tqdm.auto import tqdm
 
 from attacks.base import MEMBERSHIP, MODEL, QUERY, Attack, AttackResult, Truth, register_attack
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
-from attacks.metrics import audit_epsilon, membership_metrics
+from attacks.metrics import canary_audit, membership_metrics
 from attacks.recording import Recording
 from attacks.context import ReplayContext, final_model
 from pruning import VisualTokenSelector
@@ -257,7 +258,8 @@ class MIA(Attack):
                                        "is_member": torch.tensor(is_member)})
         result.metrics.update(membership_metrics(scores, is_member))
         if self.audit_delta is not None:
-            result.metrics.update(audit_epsilon(scores, is_member, self.audit_delta, seed=o.seed))
+            result.metrics.update(canary_audit(lambda records: self.membership_scores(self.target, records), truth,
+                                               self.audit_delta))
             result.metrics.update(self.accounted)
         if o.attribute_records:
             result.metrics.update(self.infer_attributes(self.target, members[: o.attribute_records]))

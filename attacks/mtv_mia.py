@@ -8,8 +8,9 @@ no client held. A record's score is how much the vector raises the log-likelihoo
 own (random) answer to its own question over the zero-shot model: a vector that carries a
 demonstration makes that demonstration's answer likelier.
 
-Reports AUC, TPR at low FPR and the canary audit's epsilon lower bound
-(attacks.metrics.audit_epsilon) at the release's δ, beside the ledger's ε.
+Reports AUC, TPR at low FPR and the one-run audit's epsilon lower bound over every canary, held
+(shown or not: the release is a function of what a client holds) or left out by its coin
+(attacks.metrics.canary_audit), at the release's δ, beside the ledger's ε.
 """
 
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ import torch
 
 from attacks.base import MEMBERSHIP, QUERY, TASK_VECTOR, Attack, AttackResult, Truth, register_attack
 from attacks.context import ReplayContext
-from attacks.metrics import audit_epsilon, membership_metrics
+from attacks.metrics import canary_audit, membership_metrics
 from attacks.recording import Recording
 from training.protocol import TASK_VECTOR_FILE
 from vlm.features import VisionFeatureCache
@@ -101,7 +102,7 @@ class TaskVectorMIA(Attack):
                               outputs={"scores": torch.as_tensor(scores, dtype=torch.float32),
                                        "is_member": torch.tensor(is_member)})
         result.metrics.update(membership_metrics(probabilities, is_member))
-        result.metrics.update(audit_epsilon(scores, is_member, self.audit_delta, seed=self.options.seed))
+        result.metrics.update(canary_audit(self.lift, truth, self.audit_delta))
         result.metrics.update(self.accounted)
         result.metrics["mean_lift_members"] = float(scores[:count].mean())
         result.metrics["mean_lift_non_members"] = float(scores[count:].mean())

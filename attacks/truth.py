@@ -45,6 +45,8 @@ class StaticTruth:
     members: list[VQASample] = field(default_factory=list)
     non_members: list[VQASample] = field(default_factory=list)
     marks_by_image: Mapping[str, MarkRecord] = field(default_factory=dict)
+    # (included, excluded) canaries, each included by a fair coin; None: no audit.
+    audit_canaries: tuple[list[VQASample], list[VQASample]] | None = None
 
     def samples(self, entry: RecordedTransfer) -> list[VQASample] | None:
         return self.samples_by_seq.get(entry.seq)
@@ -54,6 +56,9 @@ class StaticTruth:
 
     def membership(self) -> tuple[list[VQASample], list[VQASample]]:
         return list(self.members), list(self.non_members)
+
+    def canaries(self) -> tuple[list[VQASample], list[VQASample]] | None:
+        return self.audit_canaries
 
     def mark(self, sample: VQASample) -> MarkRecord | None:
         return self.marks_by_image.get(sample.image_id)
@@ -196,6 +201,14 @@ class RunTruth:
             return list(self.data.canary_members), list(self.data.canary_non_members)
         members = [s for shard in self.shards for s in shard]
         return members, list(self.data.test_all)
+
+    def canaries(self) -> tuple[list[VQASample], list[VQASample]] | None:
+        """With data.canaries: every canary a client's coin put in its training data, and every one
+        it left out (under paradigm mtv too: a canary held is in the mechanism's input, shown as a
+        demonstration or not)."""
+        if not self.data.canary_members and not self.data.canary_non_members:
+            return None
+        return list(self.data.canary_members), list(self.data.canary_non_members)
 
     def mark(self, sample: VQASample) -> MarkRecord | None:
         return self.data.marks.get(sample.image_id)

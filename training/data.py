@@ -45,9 +45,9 @@ class RunData:
     test_all: VQADataset
     train_indices: tuple[tuple[int, ...], ...]
     test_indices: tuple[tuple[int, ...], ...]
-    # data.canaries: training samples whose answer was replaced by a random answer of their
-    # question kind (in train_all so), and as many rows of the training split no client holds,
-    # answered the same way (never trained on).
+    # data.canaries: rows of the training split no client held, each answered with a random
+    # answer of its question kind, put in a client's shard by a fair coin (members, appended to
+    # train_all) or left out (non-members).
     canary_members: tuple[VQASample, ...] = ()
     canary_non_members: tuple[VQASample, ...] = ()
 
@@ -135,14 +135,17 @@ def _build(data_fields: tuple, count: int, aux_split: str) -> RunData:
     train_indices, test_indices = tuple(map(tuple, train)), tuple(map(tuple, test))
     if not data.canaries:
         return RunData(data, aux_split, train_all, test_all, train_indices, test_indices)
-    train_all, members, non_members = _with_canaries(data, train_all, [*train_all, *test_all], train_indices)
+    train_all, train_indices, members, non_members = _with_canaries(data, train_all, [*train_all, *test_all], train_indices)
     return RunData(data, aux_split, train_all, test_all, train_indices, test_indices, members, non_members)
 
 
-def _with_canaries(data: DataConfig, train_all: VQADataset, held: list[VQASample],
-                   shards: tuple[tuple[int, ...], ...]) -> tuple[VQADataset, tuple[VQASample, ...], tuple[VQASample, ...]]:
-    """`data.canaries` samples of each shard, and as many rows per client of the training split
-    outside `held`, each with an answer drawn from the other answers of its question kind."""
+def _with_canaries(data: DataConfig, train_all: VQADataset, held: list[VQASample], shards: tuple[tuple[int, ...], ...]
+                   ) -> tuple[VQADataset, tuple[tuple[int, ...], ...], tuple[VQASample, ...], tuple[VQASample, ...]]:
+    """`data.canaries` candidate canaries per client: rows of the training split outside `held`
+    (the clients' rows and the test rows), each with an answer drawn from the other answers of
+    its question kind. A fair coin per candidate puts it in its client's training data (appended
+    to its shard) or leaves it out: Steinke et al.'s one-run audit needs exactly this, each
+    canary included independently with probability 1/2 on top of a fixed dataset."""
     rng = random.Random(f"canaries:{data.seed}")
     answers_by_kind: dict[str, list[str]] = {}
     for sample in train_all:
@@ -154,21 +157,22 @@ def _with_canaries(data: DataConfig, train_all: VQADataset, held: list[VQASample
         others = [answer for answer in answers_by_kind.get(sample.question_kind, []) if answer != sample.answer]
         return replace(sample, answer=rng.choice(others), answers=()) if others else None
 
-    samples = list(train_all)
-    members = []
-    for shard in shards:
-        drawn = 0
-        for index in rng.sample(list(shard), len(shard)):
-            replaced = canary(samples[index]) if drawn < data.canaries else None
-            if replaced is not None:
-                samples[index], drawn = replaced, drawn + 1
-                members.append(replaced)
     taken = {s.image_id for s in held}
     wanted = data.canaries * len(shards)
     pool = load_vqa(data.dataset, data.train_split, data.source or None, limit=len(train_all) + 4 * wanted,
                     seed=data.seed + 2)
-    non_members = [c for c in (canary(s) for s in pool if s.image_id not in taken) if c is not None][:wanted]
-    if len(members) < wanted or len(non_members) < wanted:
-        raise ValueError(f"data.canaries={data.canaries}: only {len(members)} member and {len(non_members)} "
-                         f"non-member canaries of the {wanted} asked for can be drawn from {data.dataset}/{data.train_split}")
-    return VQADataset(train_all.name, train_all.split, samples), tuple(members), tuple(non_members)
+    candidates = [c for c in (canary(s) for s in pool if s.image_id not in taken) if c is not None][:wanted]
+    if len(candidates) < wanted:
+        raise ValueError(f"data.canaries={data.canaries}: only {len(candidates)} of the {wanted} canaries asked for can "
+                         f"be drawn from {data.dataset}/{data.train_split} outside the clients' and the test rows")
+    samples, grown = list(train_all), [list(shard) for shard in shards]
+    members, non_members = [], []
+    for index, candidate in enumerate(candidates):
+        if rng.random() < 0.5:
+            grown[index % len(shards)].append(len(samples))
+            samples.append(candidate)
+            members.append(candidate)
+        else:
+            non_members.append(candidate)
+    dataset = VQADataset(train_all.name, train_all.split, samples)
+    return dataset, tuple(map(tuple, grown)), tuple(members), tuple(non_members)

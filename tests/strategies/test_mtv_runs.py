@@ -171,7 +171,7 @@ def test_mtv_settings_that_cannot_run_are_refused_before_any_model_loads(run_con
 
 
 def test_the_membership_audit_queries_the_release_on_the_canaries_its_chunks_showed(run_config, fake_grid, tmp_path):
-    raw = mtv_config(run_config, "audit", **{"data.canaries": 8, "threat.model": "passive", "privacy.mtv.shots": 3,
+    raw = mtv_config(run_config, "audit", **{"data.canaries": 16, "threat.model": "passive", "privacy.mtv.shots": 3,
                                              "privacy.mtv.chunks": 10, "privacy.mtv.selection": "private"})
     config = load_config(raw)
     folder = run(fake_grid(client_app, raw, 2), config)
@@ -182,8 +182,11 @@ def test_the_membership_audit_queries_the_release_on_the_canaries_its_chunks_sho
     shown = [(s.image_id, s.question, s.answer) for partition in range(2)
              for chunk in own_chunks(build_runtime(config, partition, tmp_path / f"audit-{partition}")) for s in chunk[:-1]]
     assert sorted((s.image_id, s.question, s.answer) for s in members) == sorted(k for k in shown if k in canaries)
-    assert 0 < len(members) < len(truth.data.canary_members) and len(non_members) == 16
+    # The coins: every canary is held (shown or not) or left out, and both happen.
+    assert 0 < len(members) <= len(truth.data.canary_members) and non_members == list(truth.data.canary_non_members)
+    assert len(truth.data.canary_members) + len(non_members) == 32 and non_members
     result = replay(folder.path, "mtv_mia", options={"progress": False}, aux_limit=8)
-    assert result.details["members"] == min(len(members), 16) and result.details["selected_heads"] > 0
+    assert result.details["members"] == min(len(members), len(non_members)) and result.details["selected_heads"] > 0
     assert 0 <= result.metrics["auc"] <= 1 and result.metrics["audit_epsilon"] >= 0
+    assert result.metrics["audit_canaries"] == 32
     assert result.metrics["mean_lift_members"] != 0  # the vector moved the canaries' answers
