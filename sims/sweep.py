@@ -13,7 +13,9 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
                                          -s<seed>), what a paired verdict needs (analysis.stats)
     [fixed]    run-config overrides for every point ("model.profile" = "mini", ...)
     [dtp]      optional: pruning.prepare.PrepareSettings fields; the artefacts are prepared once into
-               <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them
+               <sweep folder>/dtp, and every pruned point that sets no pruning.artifacts uses them.
+               alpha = [0, 0.5, 1] prepares one per value into <sweep folder>/dtp/alpha-<value>
+               (the α sweep), and a pruned point uses the one of its own pruning.alpha
     [positionless.LABEL]  optional: a positionless edge (sims.privacy_cli.PositionlessPrepare
                fields: profile, stage, rows, held_out, and privacy.positionless.DistillSettings'),
                prepared once into <sweep folder>/positionless/LABEL (the edges share their
@@ -78,6 +80,7 @@ from attacks.base import Attack, AttackOptionError, attack_class, available_atta
 from attacks.context import ATTACK_FOLDER
 from attacks.replay import check_replays_by_round, fit_for_run, public_setting, replay
 from config import ConfigError, SimConfig, load_config
+from config.schema import PruningConfig
 from pruning import DTP_FILE, ORACLE_FILE
 from privacy import parse_defense_names
 from privacy.positionless import MANIFEST_FILE
@@ -152,15 +155,12 @@ class Sweep:
     folder: Path
     points: list[Point]
     attacks: list[AttackPlan]
-    dtp: PrepareSettings | None
+    # DTP's artefacts to prepare, by folder (one, or one per alpha of [dtp]'s list).
+    dtp: dict[Path, PrepareSettings]
     # Positionless edges to prepare, by label (their folders: edge_folder(label)).
     edges: dict[str, PositionlessPrepare] = field(default_factory=dict)
     # Where each point's results are archived as they are made, and restored from (sims/archive.py).
     archive: Path | None = None
-
-    @property
-    def dtp_folder(self) -> Path:
-        return self.folder / "dtp"
 
     def edge_folder(self, label: str) -> Path:
         return self.folder / "positionless" / label
@@ -308,11 +308,7 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
     if runner not in RUNNERS:
         raise SweepError(f"sweep.runner: {runner!r}; allowed: {', '.join(RUNNERS)}")
     folder = Path(out).expanduser() if out else Path.home() / "qpriv-sweeps" / path.stem
-    dtp = None
-    if raw.get("dtp") is not None:
-        settings = _table("dtp", raw["dtp"])
-        _unknown("dtp", settings, [f.name for f in fields(PrepareSettings)])
-        dtp = PrepareSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    dtp = _dtp_preparations(folder, raw.get("dtp"))
     edges = {}
     for label, table in _table("positionless", raw.get("positionless")).items():
         if label == "stages":
@@ -321,7 +317,7 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
             edges[str(label)] = PositionlessPrepare.from_table(dict(_table(f"positionless.{label}", table)))
         except UsageError as error:
             raise SweepError(f"positionless.{label}: {error}") from None
-    waiting = _artifact_folders(folder, edges)
+    waiting = _artifact_folders(folder, edges, dtp)
     seeds = _seeds(head.get("seeds"))
     fixed = _table("fixed", raw.get("fixed"))
     grids = raw.get("grid")
@@ -347,8 +343,8 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
                                      "drop one of them")
                 overrides.update(dict.fromkeys(SEED_KEYS, seed))
             overrides.update({"output.root": str(folder / "runs"), "output.name": name})
-            if dtp is not None and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
-                overrides.setdefault("pruning.artifacts", str(folder / "dtp"))
+            if dtp and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
+                overrides.setdefault("pruning.artifacts", str(_dtp_for(name, dtp, overrides)))
             if overrides.get(EDGE_ARTIFACT) in edges:
                 overrides[EDGE_ARTIFACT] = str(folder / "positionless" / overrides[EDGE_ARTIFACT])
             points.append(Point(name, part, overrides, _point_config(name, sim, overrides, waiting)))
@@ -500,9 +496,36 @@ def _stamp(sweep: Sweep, measured_on: Mapping[str, Any]) -> None:
     write_json_atomically(path, {"file": str(sweep.file), "sim": str(sweep.sim), "starts": [*starts, start]})
 
 
-def _artifact_folders(folder: Path, edges: Mapping[str, Any]) -> set[Path]:
+def _dtp_preparations(folder: Path, table: Any) -> dict[Path, PrepareSettings]:
+    """[dtp]'s preparations by folder: <folder>/dtp, or with a list of alphas one per value."""
+    if table is None:
+        return {}
+    settings = dict(_table("dtp", table))
+    _unknown("dtp", settings, [f.name for f in fields(PrepareSettings)])
+    alphas = settings.pop("alpha", None)
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+    if not isinstance(alphas, list):
+        return {folder / "dtp": PrepareSettings(**settings, **({} if alphas is None else {"alpha": alphas}))}
+    if not alphas or len(set(alphas)) != len(alphas):
+        raise SweepError(f"dtp.alpha: {alphas}; a number, or a list of distinct numbers (one preparation each)")
+    return {folder / "dtp" / f"alpha-{float(alpha):g}": PrepareSettings(**settings, alpha=float(alpha)) for alpha in alphas}
+
+
+def _dtp_for(point: str, dtp: Mapping[Path, PrepareSettings], overrides: Mapping[str, Any]) -> Path:
+    """The DTP folder a pruned point reads: the only one, or the one prepared at its pruning.alpha."""
+    if len(dtp) == 1:
+        return next(iter(dtp))
+    alpha = float(overrides.get("pruning.alpha", PruningConfig().alpha))
+    for folder, settings in dtp.items():
+        if settings.alpha == alpha:
+            return folder
+    prepared = ", ".join(f"{settings.alpha:g}" for settings in dtp.values())
+    raise SweepError(f"{point}: pruning.alpha={alpha:g} has no DTP preparation; dtp.alpha prepares {prepared}")
+
+
+def _artifact_folders(folder: Path, edges: Mapping[str, Any], dtp: Mapping[Path, Any]) -> set[Path]:
     """Where a sweep in `folder` prepares its artefacts: DTP's and each positionless edge's."""
-    return {folder / "dtp", *(folder / "positionless" / label for label in edges)}
+    return {*dtp, *(folder / "positionless" / label for label in edges)}
 
 
 def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
@@ -510,9 +533,12 @@ def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
     prepared = False
     # Finished points (restored from an archive among them) need no artefacts.
     to_run = [p for p in sweep.points if run_state(p).get("state") != "finished"]
-    if sweep.dtp is not None and not all((sweep.dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
-        if any(p.overrides.get("pruning.artifacts") == str(sweep.dtp_folder) for p in to_run):
-            prepare_dtp(sweep.dtp, sweep.dtp_folder, progress=False)
+    for dtp_folder, settings in sweep.dtp.items():
+        if all((dtp_folder / f).is_file() for f in (DTP_FILE, ORACLE_FILE)):
+            continue
+        if any(p.overrides.get("pruning.artifacts") == str(dtp_folder) for p in to_run):
+            log(f"DTP: preparing into {dtp_folder}")
+            prepare_dtp(settings, dtp_folder, progress=False)
             prepared = True
     for label, edge in sweep.edges.items():
         folder = sweep.edge_folder(label)
@@ -523,7 +549,8 @@ def _prepare_artifacts(sweep: Sweep, log: Callable[[str], None]) -> None:
         prepared = True
     if prepared:
         for point in sweep.points:
-            point.config = _point_config(point.name, sweep.sim, point.overrides, _artifact_folders(sweep.folder, sweep.edges))
+            point.config = _point_config(point.name, sweep.sim, point.overrides,
+                                         _artifact_folders(sweep.folder, sweep.edges, sweep.dtp))
 
 
 def applicable_attacks(sweep: Sweep, point: Point) -> list[str]:

@@ -173,6 +173,30 @@ def test_an_attack_table_may_replay_one_round_of_runs_that_store_it(tmp_path):
         tmp_path, head + '[attacks.fora-late]\nattack = "fora"\nround = 0\n')
 
 
+def test_a_list_of_alphas_prepares_one_dtp_each_and_a_point_reads_its_own(tmp_path):
+    grid = """
+[dtp]
+profile = "tiny"
+model_stage = "random"
+alpha = [0, 1]
+[[grid]]
+name = "alpha"
+[[grid.zip]]
+label = ["dtp-a0", "dtp-a1", "random"]
+"pruning.policy" = ["dtp", "dtp", "random"]
+"pruning.alpha" = [0.0, 1.0, 1.0]
+"""
+    sweep = load_sweep(sweep_file(tmp_path, grid), out=tmp_path / "out")
+    dtp = tmp_path / "out" / "dtp"
+    assert {folder: settings.alpha for folder, settings in sweep.dtp.items()} == {dtp / "alpha-0": 0.0,
+                                                                                 dtp / "alpha-1": 1.0}
+    assert [p.overrides["pruning.artifacts"] for p in sweep.points] == [str(dtp / "alpha-0"), str(dtp / "alpha-1"),
+                                                                        str(dtp / "alpha-1")]
+    assert "pruning.alpha=0.5 has no DTP preparation; dtp.alpha prepares 0, 1" in refusal(
+        tmp_path, grid.replace("[0.0, 1.0, 1.0]", "[0.0, 1.0, 0.5]"))
+    assert "dtp.alpha: [1, 1]" in refusal(tmp_path, grid.replace("alpha = [0, 1]", "alpha = [1, 1]"))
+
+
 def test_a_point_whose_config_changed_since_its_run_folder_was_written_is_refused(tmp_path):
     body = "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n"
     point = load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out").points[0]
@@ -285,7 +309,7 @@ def test_the_smoke_sweep_finishes_every_point_and_replays_every_attack_that_appl
     assert set(attacks[attacks["threat"] == "active-fsha"]["attack"]) == {"fsha"}
     # The pruned points ran with the sweep's prepared DTP artefacts.
     dtp = loaded.runs[loaded.runs["policy"] == "dtp"].iloc[0]
-    assert dtp["config"]["pruning.artifacts"] == str(sweep.dtp_folder)
+    assert dtp["config"]["pruning.artifacts"] == str(*sweep.dtp)
     assert dtp["kept_tokens_mean"] < loaded.runs[loaded.runs["policy"] == "off"].iloc[0]["kept_tokens_mean"]
 
 
