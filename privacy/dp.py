@@ -96,6 +96,10 @@ class DPOptions:
     target_quantile: float = 0.5
     clip_lr: float = 0.2
     clipped_count_stddev: float = 0.0
+    # mode=sgd only: clip each sample's gradient and add no noise (noise_multiplier and
+    # target_epsilon 0), the control that tells what clipping alone does from what privacy does;
+    # such a run reports no epsilon, since it has none.
+    clip_only: bool = False
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -114,7 +118,13 @@ class DPOptions:
             raise OptionError("clip_lr", self.clip_lr, "> 0")
         if self.clipped_count_stddev < 0:
             raise OptionError("clipped_count_stddev", self.clipped_count_stddev, ">= 0 (0: sampled clients / 20)")
-        if self.mode != OFF and (self.noise_multiplier > 0) == (self.target_epsilon > 0):
+        if self.clip_only:
+            if self.mode != SGD:
+                raise OptionError("clip_only", self.clip_only, f"false unless mode={SGD} (the clip-only control of DP-SGD)")
+            if self.noise_multiplier or self.target_epsilon:
+                raise OptionError("clip_only", self.clip_only, "false with a noise_multiplier or target_epsilon "
+                                  "(the control adds no noise)")
+        elif self.mode != OFF and (self.noise_multiplier > 0) == (self.target_epsilon > 0):
             raise OptionError(
                 "noise_multiplier", self.noise_multiplier,
                 f"> 0 or target_epsilon > 0, exactly one of them (mode={self.mode} needs noise and one way to set it; "

@@ -68,14 +68,19 @@ class SampleLevelDP:
         if batch > samples:
             raise OptionError("mode", options.mode, f"off with train.batch_size={batch} above a client's {samples} samples")
         self.options, self.samples, self.batch = options, samples, batch
-        self.noise_multiplier = options.noise_multiplier or self._calibrate(options.target_epsilon, total_steps)
+        self.noise_multiplier = 0.0 if options.clip_only else (
+            options.noise_multiplier or self._calibrate(options.target_epsilon, total_steps))
 
     def _calibrate(self, target: float, steps: int) -> float:
         return calibrate(_accountant, lambda z: _event(z, self.samples, self.batch, steps), target, self.options.delta,
                          _CALIBRATION_RANGE, f"{steps} steps")
 
     def spent(self, steps: int) -> dict[str, float]:
-        """The client's budget after `steps` DP-SGD steps, by Flower's RDP accountant."""
+        """The client's budget after `steps` DP-SGD steps, by Flower's RDP accountant (the clip-only
+        control has none: no dp_epsilon)."""
+        if self.options.clip_only:
+            return {"dp_clip_only": 1.0, "dp_delta": self.options.delta, "dp_releases": float(steps),
+                    "dp_noise_multiplier": 0.0}
         epsilon = 0.0
         if steps:
             accountant = RdpAccountant(PrivacyConfig(

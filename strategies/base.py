@@ -215,9 +215,12 @@ class GridWrapper(Grid):
 def sample_level_budget(reports: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """DP-SGD's budget as a round's metrics: the clients' reports (privacy.dp_sgd.SampleLevelDP.spent)
     of the one that has spent the most (each client's privacy is its own; the run's is the worst)."""
+    reports = list(reports)
+    clip_only = [report for report in reports if "dp_clip_only" in report]
     reports = [report for report in reports if "dp_epsilon" in report]
     if not reports:
-        return {}
+        # The clip-only control (privacy.dp.clip_only) spends no budget: it says so instead.
+        return {"dp_clip_only": 1.0, "dp_releases": max(float(r["dp_releases"]) for r in clip_only)} if clip_only else {}
     worst = max(reports, key=lambda report: report["dp_epsilon"])
     return {key: float(worst[key]) for key in ("dp_epsilon", "dp_delta", "dp_releases", "dp_noise_multiplier")}
 

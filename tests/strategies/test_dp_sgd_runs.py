@@ -64,6 +64,18 @@ def test_dp_sgd_with_real_noise_trains_and_spends_what_it_was_calibrated_to(run_
     assert status["dp"]["mode"] == "sgd" and status["privacy_spent"]["dp_epsilon"] == records[-1]["dp_epsilon"]
 
 
+def test_the_clip_only_control_clips_adds_no_noise_and_reports_no_epsilon(run_config, fake_grid):
+    raw = run_config(paradigm="usl", **{"train.rounds": 1, "train.steps_per_round": 2, "privacy.dp.mode": "sgd",
+                                        "privacy.dp.clip": 0.1, "privacy.dp.clip_only": True, "privacy.dp.delta": 1e-3})
+    folder = run(fake_grid(client_app, raw, 2), load_config(raw))
+    record = metrics(folder)[-1]
+    assert record["dp_clip_only"] == 1.0 and record["dp_releases"] == 2.0 and "dp_epsilon" not in record
+    for overrides in ({"privacy.dp.target_epsilon": 8.0}, {"privacy.dp.mode": "central"}):
+        with pytest.raises(ConfigError) as error:
+            load_config({**raw, **overrides})
+        assert error.value.key == "privacy.dp.clip_only"
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     ({"paradigm": "usl", "privacy.defenses": "nopeek"}, "privacy.dp.mode"),
     ({"paradigm": "cl", "clients.count": 1, "train.grad_accum": 2}, "privacy.dp.mode"),
