@@ -47,7 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from report import REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, write_json, write_markdown
+from report import (
+    REPORT_HELP, RESULTS, add_allow_dirty, markdown_table, percent, provenance_for, read_json, write_json, write_markdown,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from testbed import DATASET, PROFILE, Testbed, bits, linear_probe, paired_bootstrap, share, unbits  # noqa: E402
@@ -389,14 +391,9 @@ def measure_deletion(evaluation: Evaluation, runs: Sequence[PolicyRun], question
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def load_existing(out: Path) -> dict[str, Any]:
-    path = out / f"{NAME}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = args.out
-    results = load_existing(out)
+    results = read_json(NAME, out) if (out / f"{NAME}.json").is_file() else {}
     measured_on = provenance_for(args, seeds={"seed": args.seed}, models=[args.profile])
     bed = Testbed(args)
     key = {"weights_digest": bed.build["weights_digest"], "questions": len(bed.test), "seed": args.seed,
@@ -556,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     add_allow_dirty(parser)
     args = parser.parse_args(argv)
     if args.report:
-        print(render_report(load_existing(args.out), args.out).read_text())
+        print(render_report(read_json(NAME, args.out), args.out).read_text())
         return
     args.parts = tuple(part.strip() for part in args.parts.split(",") if part.strip())
     unknown = [part for part in args.parts if part not in PARTS]
