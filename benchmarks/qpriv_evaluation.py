@@ -477,7 +477,7 @@ def policies_section(results: dict[str, Any]) -> str:
         f"(chance 10%). Privacy subset: {subset['images']} of {subset['of_images']} test images "
         f"({subset['questions']} questions, {subset['stamped_questions']} on stamped images), {subset['rule']}.",
         "",
-        markdown_table(["policy", "kept", "accuracy % [95%]", "vs off, pts", "digit patches sent", "digit probe %",
+        markdown_table(["policy", "kept", "accuracy % [95%]", "loss vs off, pts", "digit patches sent", "digit probe %",
                         "privacy subset accuracy %", "subset digit patches sent"], rows),
         "",
     ])
