@@ -157,16 +157,19 @@ def policy_runs(evaluation: Evaluation, budget_ratio: float) -> list[PolicyRun]:
     """off, DTP per folder, then the fixed ratio and the efficiency pruners at DTP's budget and at 25%."""
     folders = evaluation.folders
     runs = [PolicyRun("off", "off", "off")]
-    runs += [PolicyRun(f"dtp α={folder_alpha(f):g}", "dtp", "dtp", folder=f) for f in folders]
+    runs += [dtp_run(folder) for folder in folders]
     for name, ratio in (("dtp budget", budget_ratio), ("25%", QUARTER)):
         runs.append(PolicyRun(f"fixed @{name}", "fixed", "fixed", {"ratio": ratio}, folders[0]))
         runs += [PolicyRun(f"{policy} @{name}", policy, policy, {"ratio": ratio}) for policy in EFFICIENCY]
     return runs
 
 
-def first_dtp(evaluation: Evaluation) -> PolicyRun:
-    folder = evaluation.folders[0]
+def dtp_run(folder: Path) -> PolicyRun:
     return PolicyRun(f"dtp α={folder_alpha(folder):g}", "dtp", "dtp", folder=folder)
+
+
+def first_dtp(evaluation: Evaluation) -> PolicyRun:
+    return dtp_run(evaluation.folders[0])
 
 
 def dtp_budget_ratio(evaluation: Evaluation) -> tuple[float, float]:
