@@ -38,6 +38,7 @@ from sklearn.metrics import roc_curve
 from analysis.provenance import DIRTY, is_dirty
 from attacks.context import ATTACK_FOLDER
 from config import threats
+from config.schema import PruningShared
 from privacy import defense_class, options_from, parse_defense_names
 from pruning import POLICIES
 from training.protocol import ARCHIVE_MARKER, OUTCOMES_FILE, SWEEP_STAMP
@@ -85,10 +86,13 @@ def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def policy_label(config: dict[str, Any]) -> str:
-    """The run's pruning policy as the papers name it, with its budget where it has one: off, fixed-0.5, dtp, oracle."""
+    """The run's pruning policy as the papers name it, with its budget where it has one: off, fixed-0.5, dtp, oracle;
+    DTP at another α than the paper's 1 (relevance against sensitivity) with it: dtp-a0, dtp-a0.5."""
     policy = config.get("pruning.policy", "off")
     budget = POLICIES.get(policy).budget if policy in POLICIES else None
-    return policy if budget is None else f"{policy}-{config.get(f'pruning.{budget}', 0.0):g}"
+    label = policy if budget is None else f"{policy}-{config.get(f'pruning.{budget}', 0.0):g}"
+    alpha = float(config.get("pruning.alpha", PruningShared.alpha))
+    return f"{label}-a{alpha:g}" if policy == "dtp" and alpha != PruningShared.alpha else label
 
 
 def defense_names(config: dict[str, Any]) -> list[str]:

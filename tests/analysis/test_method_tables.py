@@ -33,6 +33,9 @@ def test_a_single_defense_run_lies_on_its_strength_option():
 def test_a_policy_with_a_budget_is_labelled_with_it():
     assert runs.policy_label({"pruning.policy": "fixed", "pruning.ratio": 0.5}) == "fixed-0.5"
     assert runs.policy_label({"pruning.policy": "dtp", "pruning.ratio": 0.0}) == "dtp"
+    assert runs.policy_label({"pruning.policy": "dtp", "pruning.alpha": 1.0}) == "dtp"
+    assert runs.policy_label({"pruning.policy": "dtp", "pruning.alpha": 0.5}) == "dtp-a0.5"
+    assert runs.policy_label({"pruning.policy": "fixed", "pruning.ratio": 0.5, "pruning.alpha": 0.0}) == "fixed-0.5"
     assert runs.policy_label({}) == "off"
 
 

@@ -12,6 +12,7 @@ import pytest
 from nbclient import NotebookClient
 
 from attacks.metrics import puri
+from pruning import POLICIES
 from sims import archive as A
 from analysis import tables as T
 from analysis.runs import NO_DEFENSE, load_results
@@ -416,10 +417,16 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
 
 def test_the_shipped_sweeps_validate(tmp_path):
     for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "smoke",
-                 "memorisation"):
+                 "memorisation", "pruning-mia"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
-    assert len(load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p").points) == 24
+    # The pruning sweep runs every registered policy, each DTP point on the preparation of its own α.
+    sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / "pruning-attacks.toml", out=tmp_path / "p")
+    assert {p.overrides["pruning.policy"] for p in sweep.points} == set(POLICIES.names())
+    dtp = [p for p in sweep.points if p.overrides["pruning.policy"] == "dtp"]
+    alphas = [p.overrides.get("pruning.alpha", 1.0) for p in dtp]
+    assert set(alphas) == {0.0, 0.5, 1.0}
+    assert all(p.overrides["pruning.artifacts"].endswith(f"alpha-{alpha:g}") for p, alpha in zip(dtp, alphas))
 
 
 def test_a_sweep_prepares_its_positionless_edge_once_and_its_points_run_it(tmp_path):
