@@ -2,9 +2,14 @@
 
 FORA and FSHA read the mark back from a reconstructed image, so a weak inverse network and a
 mark that never crossed the cut look alike. This attacker skips the image: a linear probe
-(scikit-learn's logistic regression on standardised rows) reads the digit from a sample's
-visual rows pooled two ways, their mean and their elementwise max (the mark may sit in one
-row, or be spread over all of them by the front's attention).
+(scikit-learn's logistic regression on standardised rows) reads the digit from the visual rows.
+Its `readout`:
+- "rows" (default): the probe classifies each row (a digit, for the rows of the mark's box on the
+  attacker's own images, or "no mark"), and a sample reads as the digit its most confident row
+  gives. The mark sits in a few rows of 64, and a pooled summary drowns it: on the scene testbed's
+  unpruned runs the pooled probe reads no more than a guess where this one reads most marks.
+- "pooled": one vector per sample, its rows' mean and elementwise max (for a mark the front's
+  attention has spread over every row).
 
 What it knows (Kerckhoffs): the public model, whose front it runs on its own stamped
 auxiliary images, and their digits (the public split's mark records, `vqa.mark_records`);
@@ -34,7 +39,13 @@ from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, regist
 from attacks.observations import VisualObservation, VisualSpans, fewer_visual_rows, visual_observations
 from attacks.recording import Recording
 from vqa import VQASample, is_stamped, mark_records
+from vqa.scenes import box_patches
 from vqa.stamping import MarkRecord
+
+
+ROWS, POOLED = "rows", "pooled"
+# The label of a row outside the mark's box when the probe reads rows.
+NO_MARK = -1
 
 
 @dataclass
@@ -43,6 +54,9 @@ class CutProbeOptions:
     max_aux: int = 2000
     # scikit-learn's C: the inverse strength of the probe's L2 regularisation.
     regularisation: float = 1.0
+    # "rows": a digit-or-no-mark probe on each row, the most confident row read; "pooled": a digit
+    # probe on each sample's mean and max row.
+    readout: str = ROWS
     # Auxiliary keep sets from the run's own pruning policy (False: random ones of the observed sizes).
     policy_aware: bool = True
     # Also pass the auxiliary rows through the run's edge and activation defenses.
@@ -76,6 +90,8 @@ class CutProbe(AdaptiveAttack):
     def fit(self, aux: Sequence[VQASample]) -> "CutProbe":
         """Keeps the stamped auxiliary images, their digits and their frozen vision features."""
         k, o = self.knowledge, self.options
+        if o.readout not in (ROWS, POOLED):
+            raise ValueError(f"readout={o.readout!r}; allowed: {(ROWS, POOLED)}")
         marked = [(sample, mark) for sample, mark in zip(aux, public_marks(aux), strict=True) if mark is not None]
         marked = marked[: o.max_aux]
         digits = {mark.digit for _, mark in marked}
@@ -85,6 +101,8 @@ class CutProbe(AdaptiveAttack):
                              "dataset's split (threat.aux_split of a *-stamped dataset)")
         self.aux = [sample for sample, _ in marked]
         self.aux_digits = np.array([mark.digit for _, mark in marked])
+        # The patches of each mark's box (every row there holds part of the digit).
+        self.aux_boxes = [set(box_patches(mark.box, mark.image_side, k.image_size, k.patch_size)) for _, mark in marked]
         self.aux_features = k.features(k.pixel_values(self.aux))
         return self
 
@@ -102,16 +120,40 @@ class CutProbe(AdaptiveAttack):
 
     @torch.no_grad()
     def probe(self, counts: Sequence[int]) -> tuple[object, str]:
-        """The probe, trained on the attacker's own rows for its stamped auxiliary images."""
+        """The probe, trained on the attacker's own rows for its stamped auxiliary images: per row
+        (its digit inside the mark's box, NO_MARK outside) or per sample (`readout`)."""
         if not hasattr(self, "aux_features"):
             raise RuntimeError("CutProbe.fit(aux) must run before the probe is trained")
         keep, features, source = self._aux_keep(counts)
         step = max(1, self.options.batch_size)
-        rows = [row for start in range(0, len(self.aux), step) for row in self.attacker_rows(
-            self.knowledge.model, features[start : start + step], self.aux[start : start + step],
-            keep[start : start + step])[0]]
+        rows, sent = [], []
+        for start in range(0, len(self.aux), step):
+            chunk_rows, chunk_sent = self.attacker_rows(self.knowledge.model, features[start : start + step],
+                                                        self.aux[start : start + step], keep[start : start + step])
+            rows.extend(chunk_rows)
+            sent.extend(chunk_sent)
         classifier = make_pipeline(StandardScaler(), LogisticRegression(C=self.options.regularisation, max_iter=2000))
-        return classifier.fit(pooled(rows), self.aux_digits), source
+        if self.options.readout == POOLED:
+            return classifier.fit(pooled(rows), self.aux_digits), source
+        labels = np.concatenate([np.where(np.isin(positions.cpu().numpy(), list(box)), digit, NO_MARK)
+                                 for positions, box, digit in zip(sent, self.aux_boxes, self.aux_digits, strict=True)])
+        if (labels == NO_MARK).all():
+            # The policy sends no row of any mark's box: the probe has nothing to learn a digit from.
+            return None, f"{source}; no row sent from a mark's box, so it guesses the commonest digit"
+        return classifier.fit(torch.cat(rows).float().cpu().numpy(), labels), source
+
+    def read(self, classifier, rows: Sequence[torch.Tensor]) -> np.ndarray:
+        """Each observed sample's digit: the pooled probe's, or the digit its most confident row gives."""
+        if classifier is None:
+            return np.full(len(rows), Counter(self.aux_digits.tolist()).most_common(1)[0][0])
+        if self.options.readout == POOLED:
+            return classifier.predict(pooled(rows))
+        digits = classifier.classes_ != NO_MARK
+        predicted = []
+        for sample_rows in rows:
+            confidence = classifier.predict_proba(sample_rows.float().cpu().numpy())[:, digits]
+            predicted.append(classifier.classes_[digits][int(confidence.max(0).argmax())])
+        return np.array(predicted)
 
     def run(self, recording: Recording, truth: Truth | None = None) -> AttackResult:
         k = self.knowledge
@@ -119,7 +161,7 @@ class CutProbe(AdaptiveAttack):
         spans = VisualSpans(k, k.first_cut).fit(self.aux) if fewer_visual_rows(recording.config) else None
         observations = visual_observations(recording, k, attack=self.name, spans=spans)
         classifier, source = self.probe([obs.rows.shape[0] for obs in observations])
-        predicted = classifier.predict(pooled([obs.rows for obs in observations]))
+        predicted = self.read(classifier, [obs.rows for obs in observations])
         result = AttackResult(
             self.name,
             details={"observed_samples": len(observations), "aux_images": len(self.aux),

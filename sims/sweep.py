@@ -35,6 +35,7 @@ A sweep file (TOML, or YAML; read with omegaconf) has these tables:
                round    replay on that round's transfers only (the runs list it in
                         threat.record_rounds), so one attack reads several points of training
                         under labels of their own
+               aux_limit  the auxiliary rows it fits on (default: the run's threat.aux_limit)
 
 Every point's config is validated, and every existing run folder compared with its point,
 before the first run starts: a bad key or value names the point and the key, a point whose
@@ -100,7 +101,7 @@ SWEEP_KEYS = ("sim", "runner", "seeds")
 # What a sweep's seeds axis sets for each seed: every seed a run draws from.
 SEED_KEYS = ("model.seed", "data.seed", "privacy.seed")
 GRID_KEYS = ("name", "fixed", "product", "zip")
-ATTACK_KEYS = ("attack", "options", "where", "round")
+ATTACK_KEYS = ("attack", "options", "where", "round", "aux_limit")
 # A label names files in the run's attacks folder.
 ATTACK_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 LABEL = "label"
@@ -124,6 +125,8 @@ class AttackPlan:
     attack: str = ""
     # The round whose transfers it reads (None: every stored transfer).
     round: int | None = None
+    # Auxiliary (public) rows it fits on (None: the run's threat.aux_limit).
+    aux_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.attack:
@@ -286,7 +289,10 @@ def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPl
                 check_replays_by_round(attack)
             except ValueError as error:
                 raise SweepError(f"attacks.{name}.round: {error}") from None
-        plans.append(AttackPlan(name, options, where, attack, round_))
+        aux_limit = spec.get("aux_limit")
+        if aux_limit is not None and (isinstance(aux_limit, bool) or not isinstance(aux_limit, int) or aux_limit < 1):
+            raise SweepError(f"attacks.{name}.aux_limit: {aux_limit!r}; allowed: a number of auxiliary rows >= 1")
+        plans.append(AttackPlan(name, options, where, attack, round_, aux_limit))
     return plans
 
 
@@ -404,6 +410,12 @@ def _check_existing(sweep: Sweep) -> None:
                 raise SweepError(
                     f"point {point.name}: its {plan.name} result was made with attack {replayed!r}, the file's "
                     f"attacks.{plan.name} replays {plan.attack!r}; restore it or delete "
+                    f"{point.folder / ATTACK_FOLDER / plan.name}.json"
+                )
+            if made and made.get("aux_limit") != plan.aux_limit:
+                raise SweepError(
+                    f"point {point.name}: its {plan.name} result was fitted on aux_limit = {made.get('aux_limit')}, the "
+                    f"file's attacks.{plan.name} on {plan.aux_limit}; restore it or delete "
                     f"{point.folder / ATTACK_FOLDER / plan.name}.json"
                 )
             made_with = made.get("options")
@@ -641,7 +653,7 @@ def _run_points(sweep: Sweep, progress: bool, log: Callable[[str], None]) -> dic
             options = {"progress": False, **plan.options} if "progress" in {
                 f.name for f in fields(attack_class(plan.attack).Options)} else dict(plan.options)
             started = time.perf_counter()
-            made = {"attack": plan.attack, "options": plan.options}
+            made = {"attack": plan.attack, "options": plan.options, "aux_limit": plan.aux_limit}
             try:
                 if attack_class(plan.attack).fit_reads_run:
                     _replay_as(plan, point, plan.attack, options)
@@ -651,7 +663,7 @@ def _run_points(sweep: Sweep, progress: bool, log: Callable[[str], None]) -> dic
                     adapts = attack_class(plan.attack).fit_adapts_to_defenses(plan.options)
                     key = (plan.name, public_setting(point.config, defenses=adapts))
                     if key not in fitted:
-                        fitted[key] = fit_for_run(point.folder, plan.attack, options=options)
+                        fitted[key] = fit_for_run(point.folder, plan.attack, options=options, aux_limit=plan.aux_limit)
                     _replay_as(plan, point, fitted[key])
                 attacks[plan.name] = {"state": "finished", **made, "seconds": time.perf_counter() - started}
             except Exception as error:  # noqa: BLE001 - a failed attack is recorded and the sweep goes on
@@ -668,7 +680,7 @@ def _run_points(sweep: Sweep, progress: bool, log: Callable[[str], None]) -> dic
 def _replay_as(plan: AttackPlan, point: Point, attack: str | Attack, options: Mapping[str, Any] | None = None) -> None:
     """Replay `attack` on the point's run and save its result under the plan's label
     (`<run>/attacks/<label>.json`, "attack" the label, details.base_attack the registered attack)."""
-    result = replay(point.folder, attack, options=options, save=False, round_=plan.round)
+    result = replay(point.folder, attack, options=options, save=False, round_=plan.round, aux_limit=plan.aux_limit)
     result.attack = plan.name
     result.details.update(base_attack=plan.attack, options=plan.options)
     result.save(point.folder / ATTACK_FOLDER)

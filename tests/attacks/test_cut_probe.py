@@ -46,10 +46,11 @@ def record(tmp_path: Path, knowledge, victims, marks, client_activation, defense
     return Recording.open(tmp_path / "recording"), StaticTruth(by_seq, {}, marks_by_image=marks)
 
 
-def test_the_probe_reads_the_digit_from_rows_that_show_it(tmp_path, knowledge, stamped, client_activation):
+@pytest.mark.parametrize("readout", ["rows", "pooled"])
+def test_the_probe_reads_the_digit_from_rows_that_show_it(tmp_path, knowledge, stamped, client_activation, readout):
     victims, aux, marks = stamped
     recording, truth = record(tmp_path, knowledge, victims, marks, client_activation)
-    result = build_attack("cut_probe", knowledge, progress=False).fit(aux).run(recording, truth)
+    result = build_attack("cut_probe", knowledge, readout=readout, progress=False).fit(aux).run(recording, truth)
     print(result.metrics)
     assert result.metrics["marked_samples"] >= 30
     # A random tiny model still carries the stamped image to the cut; guessing reads under 20%.
@@ -65,6 +66,25 @@ def test_the_probe_reads_no_more_than_a_guess_from_another_images_rows(tmp_path,
     result = build_attack("cut_probe", knowledge, progress=False).fit(aux).run(recording, truth)
     print(result.metrics)
     assert result.metrics["mark_readback"] < result.metrics["mark_readback_chance"] + 0.05
+
+
+def test_with_no_row_of_a_mark_to_learn_from_the_probe_guesses_the_commonest_digit(tmp_path, knowledge, stamped,
+                                                                                   client_activation):
+    victims, aux, marks = stamped
+    recording, truth = record(tmp_path, knowledge, victims, marks, client_activation)
+    probe = build_attack("cut_probe", knowledge, progress=False).fit(aux)
+    # As when the policy prunes every mark's box from the attacker's own images.
+    probe.aux_boxes = [set() for _ in probe.aux_boxes]
+    result = probe.run(recording, truth)
+    predicted = set(result.outputs["predicted_digits"].tolist())
+    assert len(predicted) == 1 and probe.aux_digits.tolist().count(predicted.pop()) == max(
+        probe.aux_digits.tolist().count(d) for d in set(probe.aux_digits.tolist()))
+    assert "guesses the commonest digit" in result.details["aux_keep_sets"]
+
+
+def test_an_unknown_readout_is_refused_naming_it(knowledge, stamped):
+    with pytest.raises(ValueError, match="readout='mean'"):
+        build_attack("cut_probe", knowledge, readout="mean", progress=False).fit(stamped[1])
 
 
 def test_the_attacker_prunes_its_images_as_the_runs_policy_would(knowledge, stamped):

@@ -174,6 +174,15 @@ def test_an_attack_table_may_replay_one_round_of_runs_that_store_it(tmp_path):
         tmp_path, head + '[attacks.fora-late]\nattack = "fora"\nround = 0\n')
 
 
+def test_an_attack_table_may_fit_on_more_auxiliary_rows_than_the_run_names(tmp_path):
+    head = '[[grid]]\nname = "g"\nproduct = { paradigm = ["usl"] }\n'
+    sweep = load_sweep(sweep_file(tmp_path, head + '[attacks.cut_probe]\naux_limit = 3000\n[attacks.fora]\n'),
+                       out=tmp_path / "out")
+    assert {plan.name: plan.aux_limit for plan in sweep.attacks} == {"cut_probe": 3000, "fora": None}
+    assert "attacks.cut_probe.aux_limit: 0; allowed: a number of auxiliary rows >= 1" in refusal(
+        tmp_path, head + '[attacks.cut_probe]\naux_limit = 0\n')
+
+
 def test_a_list_of_alphas_prepares_one_dtp_each_and_a_point_reads_its_own(tmp_path):
     grid = """
 [dtp]
