@@ -1,8 +1,13 @@
 """QPriv-VL's claims (seed 000: question-guided, privacy-aware visual-token pruning), each a paired
-comparison of one paradigm's undefended runs with its rule and margin.
+comparison of one paradigm's undefended runs with its rule and margin, and three questions the
+paper did not ask (issue 40): does privacy-aware pruning leak less than efficiency pruning at equal
+tokens; do attackers told the policy read more than attackers who assume random keep sets; does
+leakage grow as the clients' fine-tune goes on.
 
 The paper's numbers are on LLaVA-1.5-7B and VQA-RAD; here each claim is judged on whatever runs are
-loaded (the testbed's sweeps), every seed of each setting, through analysis.stats.
+loaded (the testbed's sweeps), every seed of each setting, through analysis.stats. Membership is
+judged on the sweep with the most membership results (the memorisation setting's,
+sims/sweeps/pruning-mia.toml), everything else on the pruning sweep with the most runs.
 """
 
 from typing import Any
@@ -28,8 +33,21 @@ MIA_DROP = 0.05             # DTP lowers MIA success by more than 0.05
 MIA_NEAR_PAPER = 0.10       # undefended MIA within 0.1 of the paper's 0.99
 ACTINV_RECALL = 0.90
 IDLG_OVER_PRIOR = 0.10
-# MIA success 0.5 is guessing; a reduction is measurable only from an attack clear of it.
-MIA_FLOOR = Floor(0.5, 0.05, "chance (success 0.5)")
+READBACK_DROP = 0.05        # DTP's cut-probe read-back more than 5 points below another policy's
+# The efficiency pruners of the token-pruning literature, run as policies (pruning.policies).
+EFFICIENCY = ("random", "fastv", "sparsevlm", "dart", "visionzip")
+# Membership attacks: the shadow-model MIA and the loss threshold of the memorisation setting.
+MEMBERSHIP = ("mia", "mia_loss")
+# What an attacker told the run's policy is replayed beside (sims/sweeps/pruning-attacks.toml), per
+# headline metric; and one attack's label at round 1 and at a later round.
+POLICY_AWARE = (("cut probe", "cut_probe", "cut_probe_unaware", "mark_readback"),
+                ("FORA", "fora", "fora_unaware", "mark_readback"), ("FORA", "fora", "fora_unaware", "psnr"))
+OVER_TRAINING = (("cut probe", "cut_probe", "cut_probe-r3", "mark_readback"), ("FORA", "fora", "fora-r3", "psnr"),
+                 ("ActInv", "actinv", "actinv-r3", "token_recall"))
+# MIA success (or AUC) 0.5 is guessing; a reduction is measurable only from an attack clear of it.
+MIA_FLOOR = Floor(0.5, 0.05, "chance (0.5)")
+# The probe's read-back over the commonest digit's share: 0 is a guess.
+READBACK_FLOOR = Floor(0.0, READBACK_DROP, "a guess (read-back over the commonest digit's share 0)")
 PASSIVE = threats.PASSIVE.name
 
 
@@ -65,11 +83,100 @@ def _trend_gaps(attacks: pd.DataFrame, attack: str) -> tuple[Outcomes, Outcomes]
             Outcomes(f"{attack} on the pruned points", pd.DataFrame(gains, columns=["seed", "item", "score"])))
 
 
+def _by_policy(attacks: pd.DataFrame, label: str, metric: str, name: str, policies: list[str]) -> Outcomes:
+    """`label`'s `metric` on the runs of `policies`, each policy at each seed one item."""
+    chosen = attacks[(attacks["attack"] == label) & attacks["policy"].isin(policies)] if not attacks.empty else attacks
+    if chosen.empty or metric not in chosen:
+        return Outcomes(name, pd.DataFrame(columns=["seed", "item", "score"]))
+    frame = pd.DataFrame({"seed": chosen["seed"], "item": chosen["policy"], "score": chosen[metric]})
+    return Outcomes(name, frame.dropna().reset_index(drop=True))
+
+
+def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
+    """The label of policy `name`'s runs whose mean kept tokens are nearest `tokens` (chosen by
+    budget, never by outcome); None where it did not run."""
+    chosen = runs[runs["policy_name"] == name] if not runs.empty and "policy_name" in runs else runs.iloc[:0]
+    if chosen.empty:
+        return None
+    kept = chosen.groupby("policy")["kept_tokens_mean"].mean()
+    return str((kept - tokens).abs().idxmin())
+
+
+def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
+    """The membership results of the sweep that holds the most of them among the sweeps varying the
+    policy (undefended, `paradigm`), and the metric read: the AUC where any run has it."""
+    attacks = results.attacks
+    if attacks.empty:
+        return attacks, "attack_success"
+    chosen = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)
+                                        & (attacks.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)
+                                        & attacks["attack"].isin(MEMBERSHIP)])
+    if chosen.empty:
+        return chosen, "attack_success"
+    (chosen,), _ = one_sweep([chosen], chosen, None)
+    return chosen, "auc" if "auc" in chosen and chosen["auc"].notna().any() else "attack_success"
+
+
+def _efficiency_rows(results: Results, runs: pd.DataFrame, attacks: pd.DataFrame, membership: pd.DataFrame,
+                     metric: str, paradigm: str) -> list[dict[str, Any]]:
+    """Privacy-aware (DTP) against each efficiency pruner at DTP's own budget: the cut probe's
+    read-back, membership, and accuracy."""
+    dtp = runs[runs["policy"] == "dtp"] if not runs.empty else runs
+    if dtp.empty:
+        return [row("DTP against the efficiency pruners at equal tokens", "not asked",
+                    not_testable("needs DTP runs"))]
+    tokens = float(dtp["kept_tokens_mean"].mean())
+    probe = attacks[attacks["attack"] == "cut_probe"] if not attacks.empty else attacks
+    if not probe.empty and "mark_readback" in probe:
+        probe = probe.assign(over_chance=probe["mark_readback"] - probe["mark_readback_chance"])
+    rows = []
+    for name in EFFICIENCY:
+        label = _at_budget(runs, name, tokens)
+        if label is None:
+            rows.append(row(f"DTP leaks less than {name} at equal tokens", "not asked",
+                            not_testable(f"no {name} runs")))
+            continue
+        rows.append(row(f"DTP leaks less than {name} at equal tokens (cut-probe read-back)", "not asked",
+                        compare(run_outcomes(probe, "over_chance", f"cut probe on {label}", policy=label),
+                                run_outcomes(probe, "over_chance", "cut probe on DTP", policy="dtp"),
+                                Rule(-READBACK_DROP, BELOW, f"DTP − {label} below −{READBACK_DROP:g}"),
+                                floor=READBACK_FLOOR),
+                        f"DTP − {label} read-back over a guess"))
+        mia_label = _at_budget(membership.drop_duplicates("run"), name, tokens) if not membership.empty else None
+        if mia_label is not None:
+            rows.append(row(f"DTP leaks less than {name} at equal tokens (membership {metric})", "not asked",
+                            compare(run_outcomes(membership, metric, f"MIA on {mia_label}", policy=mia_label),
+                                    run_outcomes(membership, metric, "MIA on DTP", policy="dtp"),
+                                    Rule(-MIA_DROP, BELOW, f"DTP − {mia_label} below −{MIA_DROP:g}"), floor=MIA_FLOOR),
+                            f"DTP − {mia_label} {metric}"))
+        rows.append(row(f"DTP answers as well as {name} at equal tokens", "not asked",
+                        compare(accuracy_outcomes(results, label, paradigm=paradigm, policy=label, defenses=NO_DEFENSE,
+                                                  threat=PASSIVE),
+                                accuracy_outcomes(results, "DTP", paradigm=paradigm, policy="dtp", defenses=NO_DEFENSE,
+                                                  threat=PASSIVE),
+                                Rule(-MATCH_POINTS, ABOVE, f"DTP − {label} above −{MATCH_POINTS:g}")),
+                        f"DTP − {label} accuracy"))
+    return rows
+
+
+def _paired_labels(attacks: pd.DataFrame, first: str, second: str, metric: str, claim: str,
+                   rule: Rule) -> dict[str, Any]:
+    """`second` − `first` on every policy both labels ran on, each policy at each seed one item."""
+    policies = sorted(set(attacks.loc[attacks["attack"] == first, "policy"])
+                      & set(attacks.loc[attacks["attack"] == second, "policy"])) if not attacks.empty else []
+    if not policies:
+        return row(claim, "not asked", not_testable(f"needs {first} and {second} on the same runs"))
+    return row(claim, "not asked",
+               compare(_by_policy(attacks, first, metric, first, policies),
+                       _by_policy(attacks, second, metric, second, policies), rule),
+               f"{second} − {first} {metric} ({', '.join(policies)})")
+
+
 def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) -> pd.DataFrame:
     """Each of QPriv-VL's checkable claims on `paradigm`'s undefended runs without a DP guarantee of
     one sweep that varies the pruning policy (`sweep`, default the one with the most such runs)."""
     rows: list[dict[str, Any]] = []
-    attacks = results.attacks
+    full, attacks = results, results.attacks
     if not attacks.empty:
         attacks = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)
                                              & (attacks.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)])
@@ -79,15 +186,16 @@ def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) ->
                                        & (runs["threat"] == PASSIVE) & (runs.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)])
     (attacks, runs, outcomes), sweep = one_sweep([attacks, runs, results.outcomes], runs, sweep)
     results = Results(runs, results.rounds, attacks, outcomes, results.incomplete)
-    mia = attacks[attacks["attack"] == "mia"] if not attacks.empty else attacks
-    off_mia = run_outcomes(mia, "attack_success", "MIA on unpruned runs", policy="off")
-    dtp_mia = run_outcomes(mia, "attack_success", "MIA on DTP runs", policy="dtp")
+    membership, metric = _membership(full, paradigm)
+    off_mia = run_outcomes(membership, metric, "MIA on unpruned runs", policy="off")
+    dtp_mia = run_outcomes(membership, metric, "MIA on DTP runs", policy="dtp")
     rows.append(row("MIA attack success, undefended (VQA-RAD)", f"{PAPER_MIA_UNDEFENDED:.2f}",
                     estimate(off_mia, Rule(PAPER_MIA_UNDEFENDED - MIA_NEAR_PAPER, ABOVE,
-                                           f"success interval above {PAPER_MIA_UNDEFENDED - MIA_NEAR_PAPER:.2f}"))))
+                                           f"{metric} interval above {PAPER_MIA_UNDEFENDED - MIA_NEAR_PAPER:.2f}")),
+                    metric))
     rows.append(row("MIA attack success with DTP", f"{PAPER_MIA_QPRIV[0]:.2f}–{PAPER_MIA_QPRIV[1]:.2f}",
                     compare(off_mia, dtp_mia, Rule(-MIA_DROP, BELOW, f"DTP − unpruned below −{MIA_DROP:g}"),
-                            floor=MIA_FLOOR), "DTP − unpruned"))
+                            floor=MIA_FLOOR), f"DTP − unpruned {metric}"))
     rows.append(row("sensitivity exclusion ratio of DTP above 1",
                     f"{PAPER_EXCLUSION_RATIO[0]:.2f} ± {PAPER_EXCLUSION_RATIO[1]:.2f}",
                     estimate(run_outcomes(runs, "exclusion_ratio", "DTP's exclusion ratio", policy="dtp"),
@@ -142,6 +250,28 @@ def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) ->
     else:
         judged = not_testable("no iDLG result: it reads USL's gradient at CB or an FL update (SL's server holds the labels)")
     rows.append(row("iDLG recovers the label from the cut gradient", "analytic recovery", judged, "over the prior"))
-    rows.append(row("α sweep: accuracy 0.566 (α=0) vs 0.527 (α=1) on VQA-RAD", "Fig. 10",
-                    not_testable("needs VQA-RAD and an α sweep on the 7B model")))
+    rows.append(row("α sweep: α = 0 (sensitivity only) answers better than α = 1", "0.566 vs 0.527 (VQA-RAD, Fig. 10)",
+                    compare(accuracy_outcomes(results, "DTP α=1", paradigm=paradigm, policy="dtp", defenses=NO_DEFENSE,
+                                              threat=PASSIVE),
+                            accuracy_outcomes(results, "DTP α=0", paradigm=paradigm, policy="dtp-a0", defenses=NO_DEFENSE,
+                                              threat=PASSIVE),
+                            Rule(0.0, ABOVE, "α=0 − α=1 above 0")), "α=0 − α=1 accuracy"))
+    if not fixed.empty and not dtp_runs.empty:
+        # The fixed ratio whose budget is nearest DTP's: the per-sample ratio against one ratio for all.
+        equal = fixed.iloc[(fixed["kept_tokens_mean"] - dtp_runs["kept_tokens_mean"].mean()).abs().argsort()].iloc[0]["policy"]
+        rows.append(row("DTP's per-sample ratio answers better than one fixed ratio at equal tokens", "not asked",
+                        compare(accuracy_outcomes(results, equal, paradigm=paradigm, policy=equal, defenses=NO_DEFENSE,
+                                                  threat=PASSIVE),
+                                accuracy_outcomes(results, "DTP", paradigm=paradigm, policy="dtp", defenses=NO_DEFENSE,
+                                                  threat=PASSIVE),
+                                Rule(0.0, ABOVE, f"DTP − {equal} above 0")), f"DTP − {equal} accuracy"))
+    rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm))
+    for attack, aware, unaware, metric_name in POLICY_AWARE:
+        rows.append(_paired_labels(attacks, unaware, aware, metric_name,
+                                   f"an attacker told the policy reads more ({attack} {metric_name})",
+                                   Rule(0.0, ABOVE, "told − random keep sets above 0")))
+    for attack, first, later, metric_name in OVER_TRAINING:
+        rows.append(_paired_labels(attacks, first, later, metric_name,
+                                   f"leakage grows over training ({attack} {metric_name}, round 3 − round 1)",
+                                   Rule(0.0, ABOVE, "round 3 − round 1 above 0")))
     return table(rows)
