@@ -49,14 +49,16 @@ def pruning_table(results: Results) -> pd.DataFrame:
 
 
 def _headlines(group: pd.DataFrame, row: dict[str, Any]) -> dict[str, Any]:
-    """Each attack label's headline number (from its base attack) into `row`, as <label>_<metric>."""
+    """Each attack label's headline number (from its base attack) into `row`, as <label>_<metric>:
+    the mean over the group's runs (its seeds)."""
+    found: dict[str, list[float]] = {}
     for _, result in group.iterrows():
         base = result.get("base_attack")
         base = result["attack"] if not isinstance(base, str) else base
         for metric in ATTACKS.get(base).headline if base in ATTACKS else ():
             if metric in result and pd.notna(result[metric]):
-                row[f"{result['attack']}_{metric}"] = result[metric]
-    return row
+                found.setdefault(f"{result['attack']}_{metric}", []).append(float(result[metric]))
+    return {**row, **{key: float(np.mean(values)) for key, values in found.items()}}
 
 
 def attack_table(results: Results) -> pd.DataFrame:

@@ -32,6 +32,8 @@ from training.protocol import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
+# Sweeps whose runs join another's claims: pruning-mia measures membership through each policy.
+COMPANIONS = {"pruning-attacks": ("pruning-mia",)}
 SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv")
 COMMAND = "python benchmarks/sweep_results.py"
 
@@ -51,7 +53,9 @@ def sweep_seconds(folder: Path) -> dict[str, Any]:
     return {"per_point": per_point, "total_s": total}
 
 
-def measure(name: str, folder: Path) -> dict[str, Any]:
+def measure(name: str, folder: Path, companions: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The sweep's tables; `companions` (other sweeps' folders) join only its claims: the membership
+    of each policy is measured in the memorisation setting, pruning-mia, not in the pruning sweep."""
     results = runs.load_results(folder)
     stamp = json.loads((folder / SWEEP_STAMP).read_text())
     tables: dict[str, Any] = {"incomplete": records(results.incomplete)}
@@ -78,14 +82,20 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
     else:
         tables["pruning"] = records(T.pruning_table(results))
         tables["attacks"] = records(T.attack_table(results))
-        mia = results.attacks[results.attacks["attack"] == "mia"]
-        tables["mia"] = records(mia[["paradigm", "policy", "attack_success", "auc", "tpr_at_fpr_0.01",
-                                     "tpr_at_fpr_0.001"]])
+        judged = runs.load_results(folder, *companions) if companions else results
+        membership = judged.attacks[judged.attacks["base_attack"].isin(("mia", "mia_loss"))] \
+            if not judged.attacks.empty else judged.attacks
+        tables["mia"] = records(
+            membership.groupby(["sweep", "paradigm", "policy", "attack"])
+            .agg(seeds=("seed", "nunique"), attack_success=("attack_success", "mean"), auc=("auc", "mean"),
+                 tpr_at_fpr_01=("tpr_at_fpr_0.01", "mean"), kept_tokens_mean=("kept_tokens_mean", "mean"))
+            .reset_index().sort_values(["sweep", "kept_tokens_mean"], ascending=[True, False])) \
+            if not membership.empty else []
         tables["baselines"] = records(
             results.attacks[results.attacks["attack"].isin(T.IMAGE_ATTACKS)]
             .groupby("paradigm")[["baseline_psnr", "baseline_ssim", "mark_readback_chance", "mark_readback_originals"]]
             .mean().reset_index())
-        tables["claims"] = {p: records(qpriv_vl.claims(results, p)) for p in sorted(set(results.attacks["paradigm"]))}
+        tables["claims"] = {p: records(qpriv_vl.claims(judged, p)) for p in sorted(set(results.attacks["paradigm"]))}
     starts = stamp["starts"]
     provenance = merge(starts)
     for local in ("points", "runner", "folder", "started"):
@@ -95,6 +105,13 @@ def measure(name: str, folder: Path) -> dict[str, Any]:
             "points": len({point for start in starts for point in start.get("points", [])}),
             "runs": len(results.runs), "finished": int((results.runs["state"] == "finished").sum()),
             "seconds": sweep_seconds(folder), "tables": tables}
+
+
+# The pruning sweep's read-back columns (sims/sweeps/pruning-attacks.toml's labels), as attack_table names them.
+READBACK_COLUMNS = (("cut_probe_mark_readback", "probe told"), ("cut_probe_unaware_mark_readback", "probe untold"),
+                    ("cut_probe-r3_mark_readback", "probe told, r3"), ("fora_psnr", "FORA dB told"),
+                    ("fora_unaware_psnr", "FORA dB untold"), ("fora-r3_psnr", "FORA dB r3"),
+                    ("actinv_token_recall", "ActInv"), ("actinv-r3_token_recall", "ActInv r3"))
 
 
 def _f(value: Any, spec: str) -> str:
@@ -174,10 +191,23 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
             f"- {r['paradigm'].upper()}: mean public image {r['baseline_psnr']:.1f} dB (SSIM {r['baseline_ssim']:.2f}); "
             f"mark read-back chance {r['mark_readback_chance']:.2f}, from the original images "
             f"{r['mark_readback_originals']:.2f}." for r in tables["baselines"]]
-        lines += ["", "MIA at low false-positive rates:", "", markdown_table(
-            ["paradigm", "policy", "success", "AUC", "TPR @ 1% FPR", "TPR @ 0.1% FPR"],
-            [[r["paradigm"].upper(), r["policy"], _f(r["attack_success"], ".3f"), _f(r["auc"], ".3f"),
-              _f(r["tpr_at_fpr_0.01"], ".3f"), _f(r["tpr_at_fpr_0.001"], ".3f")] for r in tables["mia"]])]
+        readback = [(key, title) for key, title in READBACK_COLUMNS if any(r.get(key) is not None for r in tables["attacks"])]
+        if readback:
+            lines += ["", "## What crosses the cut, read by attackers told the policy and not, at round 1 and 3", "",
+                      "Each number is the mean over the setting's seeds. Cut probe: the stamped digit read from the "
+                      "rows at the first cut (told: trained on the policy's own keep sets of the attacker's images; "
+                      "untold: on random keep sets of the observed sizes); FORA: PSNR in dB; ActInv: question-token "
+                      "recall.", "", markdown_table(
+                ["paradigm", "server", "policy", "kept tokens", *(title for _, title in readback)],
+                [[r["paradigm"].upper(), r.get("threat", ""), r["policy"], _f(r.get("kept_tokens_mean"), ".1f"),
+                  *(_f(r.get(key), ".1f" if "psnr" in key else ".2f") for key, _ in readback)]
+                 for r in tables["attacks"] if any(r.get(key) is not None for key, _ in readback)])]
+        lines += ["", "Membership (each sweep's own setting: pruning-mia is the memorisation setting, 32 private rows "
+                  "fine-tuned 100 epochs):", "", markdown_table(
+            ["sweep", "paradigm", "policy", "attack", "seeds", "kept tokens", "success", "AUC", "TPR @ 1% FPR"],
+            [[r["sweep"], r["paradigm"].upper(), r["policy"], r["attack"], r["seeds"], _f(r["kept_tokens_mean"], ".1f"),
+              _f(r["attack_success"], ".3f"), _f(r["auc"], ".3f"), _f(r["tpr_at_fpr_01"], ".3f")]
+             for r in tables["mia"]])]
         for paradigm, rows in tables["claims"].items():
             lines += ["", f"## QPriv-VL's claims, {paradigm.upper()}", "", claims_table(rows)]
     if "defenses" in tables:
@@ -318,6 +348,11 @@ def _mtv_sections(tables: dict[str, Any]) -> list[str]:
     return lines
 
 
+def sweep_candidates(name: str) -> list[Path]:
+    """Where a sweep's folder is looked for: this machine's, else its archive."""
+    return [Path.home() / "qpriv-sweeps" / name, RESULTS / "sweeps" / name]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=SWEEPS)
@@ -328,13 +363,14 @@ def main() -> None:
     args = parser.parse_args()
     result_name = args.name.replace("-", "_")
     if not args.report:
-        candidates = [args.sweep.expanduser()] if args.sweep else [Path.home() / "qpriv-sweeps" / args.name,
-                                                                    RESULTS / "sweeps" / args.name]
+        candidates = [args.sweep.expanduser()] if args.sweep else sweep_candidates(args.name)
         folder = next((c for c in candidates if (c / SWEEP_STAMP).exists()), None)
         if folder is None:
             raise SystemExit(f"{' nor '.join(map(str, candidates))} is a sweep folder: run "
                              f"`qpriv-sweep run sims/sweeps/{args.name}.toml --archive results/sweeps/{args.name}` first")
-        write_json(result_name, {**measure(args.name, folder), "load": args.load})
+        companions = tuple(found for found in (next((c for c in sweep_candidates(name) if (c / SWEEP_STAMP).exists()), None)
+                                               for name in COMPANIONS.get(args.name, ())) if found is not None)
+        write_json(result_name, {**measure(args.name, folder, companions), "load": args.load})
     path = render_report(read_json(result_name), RESULTS, result_name)
     print(path.read_text())
 

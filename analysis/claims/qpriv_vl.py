@@ -19,6 +19,7 @@ from analysis.claims.base import NOTHING_DB, accuracy_outcomes, one_sweep, row, 
 from analysis.runs import NO_DEFENSE, Results
 from analysis.stats import ABOVE, BELOW, Floor, Outcomes, Rule, compare, estimate, floor_check, not_testable
 from analysis.tables import policy_comparisons
+from attacks.base import ATTACKS, MEMBERSHIP
 from config import threats
 
 PAPER_MIA_UNDEFENDED = 0.99
@@ -36,8 +37,6 @@ IDLG_OVER_PRIOR = 0.10
 READBACK_DROP = 0.05        # DTP's cut-probe read-back more than 5 points below another policy's
 # The efficiency pruners of the token-pruning literature, run as policies (pruning.policies).
 EFFICIENCY = ("random", "fastv", "sparsevlm", "dart", "visionzip")
-# Membership attacks: the shadow-model MIA and the loss threshold of the memorisation setting.
-MEMBERSHIP = ("mia", "mia_loss")
 # What an attacker told the run's policy is replayed beside (sims/sweeps/pruning-attacks.toml), per
 # headline metric; and one attack's label at round 1 and at a later round.
 POLICY_AWARE = (("cut probe", "cut_probe", "cut_probe_unaware", "mark_readback"),
@@ -102,6 +101,10 @@ def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
     return str((kept - tokens).abs().idxmin())
 
 
+def _is_membership(attack: Any) -> bool:
+    return isinstance(attack, str) and attack in ATTACKS and ATTACKS.get(attack).kind == MEMBERSHIP
+
+
 def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
     """The membership results of the sweep that holds the most of them among the sweeps varying the
     policy (undefended, `paradigm`), and the metric read: the AUC where any run has it."""
@@ -110,7 +113,7 @@ def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
         return attacks, "attack_success"
     chosen = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)
                                         & (attacks.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)
-                                        & attacks["attack"].isin(MEMBERSHIP)])
+                                        & attacks["base_attack"].map(_is_membership)])
     if chosen.empty:
         return chosen, "attack_success"
     (chosen,), _ = one_sweep([chosen], chosen, None)

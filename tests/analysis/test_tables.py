@@ -26,3 +26,10 @@ def test_a_hijacked_run_has_a_row_of_its_own(table):
     if "test_accuracy" in frame:
         by_threat = frame.set_index("threat")["test_accuracy"]
         assert by_threat["passive"] == 0.62 and by_threat["active-fsha"] == 0.10
+
+
+@pytest.mark.parametrize("table", [tables.defense_table, tables.attack_table])
+def test_an_attacks_number_is_the_mean_over_the_settings_seeds(table):
+    rows = [attack_row(f"s{seed}", "passive", 0.6, "fora", psnr=psnr) for seed, psnr in enumerate((12.0, 14.0, 16.0))]
+    frame = table(Results(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame()))
+    assert frame["fora_psnr"].tolist() == [14.0]
