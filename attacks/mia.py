@@ -17,7 +17,8 @@ by the attack model, and the most "member-like" one is the guess; the trivial
 attacker guesses the most common auxiliary answer of that kind.
 
 `mia_loss` is the loss-threshold attack (Yeom et al., CSF 2018): a record's score is the
-target's likelihood of its answer, no shadow models. On a run with canaries (data.canaries:
+target's likelihood of its answer, no shadow models; with `reference = "public"`, that likelihood
+over the public model's (difficulty calibration, Watson et al., ICLR 2022). On a run with canaries (data.canaries:
 rows with random answers, each put in a client's training data by a fair coin) both attacks are
 a membership audit: beside AUC and TPR at low FPR they report Steinke et al.'s one-run lower
 bound on epsilon over every canary (attacks.metrics.canary_audit), and the accountant's epsilon
@@ -275,12 +276,20 @@ def answers_by_kind(aux: Sequence[VQASample]) -> dict[str, Counter]:
     return dict(kinds)
 
 
+NO_REFERENCE, PUBLIC_REFERENCE = "none", "public"
+REFERENCES = (NO_REFERENCE, PUBLIC_REFERENCE)
+
+
 @dataclass
 class LossOptions:
     # Members and non-members (each) drawn from the truth's candidates.
     candidates: int = 256
     # Member records whose answer is inferred (0: no attribute inference).
     attribute_records: int = 64
+    # "none": the target's likelihood alone (Yeom et al.); "public": calibrated by the public
+    # model's likelihood of the same record (Watson et al., ICLR 2022), the reference a fine-tune
+    # on public weights hands every attacker.
+    reference: str = NO_REFERENCE
     seed: int = 0
     progress: bool = True
 
@@ -288,19 +297,30 @@ class LossOptions:
 class LossThresholdMIA(MIA):
     """Membership by the target's likelihood of the answer alone (no shadows, no attack model):
     exp of the answer tokens' mean log-likelihood, so a score of 0.5 is a geometric-mean
-    token probability of one half."""
+    token probability of one half.
+
+    With `reference = "public"` the score is the sigmoid of the target's mean log-likelihood less
+    the public model's, so 0.5 is a record the fine-tune did not change: a record the public model
+    already answers (most of a generalising base's non-members) no longer passes for a member.
+    """
 
     name = "mia_loss"
     Options = LossOptions
 
     def fit(self, aux: Sequence[VQASample]) -> "LossThresholdMIA":
+        if self.options.reference not in REFERENCES:
+            raise ValueError(f"reference={self.options.reference!r}; allowed: {REFERENCES}")
         self.answers_by_kind = answers_by_kind(aux)
         self.attack_model = None
         return self
 
     def membership_scores(self, model: torch.nn.Module, records: Sequence[VQASample],
                           answers: Sequence[str] | None = None) -> np.ndarray:
-        return np.exp(self.confidences(model, records, answers)[:, MEAN_LOG_LIKELIHOOD])
+        likelihood = self.confidences(model, records, answers)[:, MEAN_LOG_LIKELIHOOD]
+        if self.options.reference == NO_REFERENCE:
+            return np.exp(likelihood)
+        public = self.confidences(self.knowledge.model, records, answers)[:, MEAN_LOG_LIKELIHOOD]
+        return 1.0 / (1.0 + np.exp(public - likelihood))
 
 
 # The column of the answer's mean log-likelihood in MIA.confidences' rows.

@@ -52,3 +52,19 @@ def test_mia_learns_nothing_from_a_model_that_never_saw_the_records(fitted):
     print(metrics)
     assert metrics["attack_success"] < 0.6
     assert metrics["attribute_accuracy"] < trivial(metrics) + 0.15
+
+
+def test_the_loss_attack_calibrated_by_the_public_model_reads_only_what_the_fine_tune_changed(fitted, knowledge):
+    _, target, public_model, truth = fitted
+    public = dataclasses.replace(knowledge, model=public_model)
+    calibrated = build_attack("mia_loss", public, candidates=MEMBERS, attribute_records=0, reference="public",
+                              progress=False).fit([])
+    # The public model as its own target: every record's likelihood ratio is 1, its score 0.5.
+    unchanged = calibrated.set_target(public_model).run(None, truth)
+    assert torch.allclose(unchanged.outputs["scores"], torch.full_like(unchanged.outputs["scores"], 0.5))
+    assert calibrated.set_target(target).run(None, truth).metrics["auc"] > 0.65
+
+
+def test_an_unknown_reference_is_refused_naming_it(knowledge):
+    with pytest.raises(ValueError, match="reference='shadow'"):
+        build_attack("mia_loss", knowledge, reference="shadow", progress=False).fit([])
