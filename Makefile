@@ -20,14 +20,14 @@ mini-targets: setup
 
 # Every sweep behind a results/*.md (benchmarks/sweep_results.py's SWEEPS), archived as it goes, and the
 # mini builds they run on. sims/sweeps/memorisation.toml feeds benchmarks/testbed_memorisation.py;
-# smoke.toml is the tests'.
+# smoke.toml is the tests'; pruning-mia.toml joins pruning-attacks' claims (its membership).
 SWEEPS = paradigms pruning-attacks defenses vision-edge federated-privacy dpmtv
 
 sweeps: setup
 	.venv/bin/qpriv-mini build
 	.venv/bin/qpriv-mini --profile mini-scenes build
 	.venv/bin/qpriv-mini --profile mini-interleaved build
-	for sweep in $(SWEEPS); do \
+	for sweep in pruning-mia $(SWEEPS); do \
 		.venv/bin/qpriv-sweep run sims/sweeps/$$sweep.toml --archive results/sweeps/$$sweep || exit 1; \
 	done
 	for sweep in $(SWEEPS); do .venv/bin/python benchmarks/sweep_results.py $$sweep || exit 1; done
