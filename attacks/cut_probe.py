@@ -37,8 +37,9 @@ from sklearn.preprocessing import StandardScaler
 from attacks.adaptive import AdaptiveAttack
 from attacks.base import ACTIVATION, IMAGE, PASSIVE, AttackResult, Truth, register_attack
 from attacks.observations import VisualObservation, VisualSpans, fewer_visual_rows, visual_observations
+from attacks.marks import public_marks
 from attacks.recording import Recording
-from vqa import VQASample, is_stamped, mark_records
+from vqa import VQASample
 from vqa.scenes import box_patches
 from vqa.stamping import MarkRecord
 
@@ -65,13 +66,6 @@ class CutProbeOptions:
     # Images per forward pass of the attacker's front.
     batch_size: int = 64
     progress: bool = True
-
-
-def public_marks(samples: Sequence[VQASample]) -> list[MarkRecord | None]:
-    """Each auxiliary image's mark, from its split's public records (None: a plain image)."""
-    splits = {(s.dataset, s.split) for s in samples if is_stamped(s.dataset)}
-    records = {split: mark_records(*split) for split in splits}
-    return [records.get((s.dataset, s.split), {}).get(s.image_id) for s in samples]
 
 
 def pooled(rows: Sequence[torch.Tensor]) -> np.ndarray:

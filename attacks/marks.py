@@ -16,6 +16,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from torch.nn import functional as F
 
+from vqa import VQASample, is_stamped, mark_records
 from vqa.stamping import DIGIT_SIDE, MarkRecord
 
 # ITU-R BT.601 luma: the ink is dark on light backgrounds.
@@ -57,3 +58,10 @@ def mark_readback(
         "mark_readback_chance": Counter(digits.tolist()).most_common(1)[0][1] / len(digits),
         "marked_samples": float(len(digits)),
     }
+
+
+def public_marks(samples: Sequence[VQASample]) -> list[MarkRecord | None]:
+    """Each auxiliary image's mark, from its split's public records (None: a plain image)."""
+    splits = {(s.dataset, s.split) for s in samples if is_stamped(s.dataset)}
+    records = {split: mark_records(*split) for split in splits}
+    return [records.get((s.dataset, s.split), {}).get(s.image_id) for s in samples]

@@ -17,7 +17,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from attacks.knowledge import AttackerKnowledge, split_packed
-from attacks.marks import MarkReader, mark_readback
+from attacks.marks import MarkReader, mark_readback, public_marks
 from attacks.metrics import image_metrics, mean_image_baseline
 from attacks.recording import RecordedTransfer, Recording
 from privacy import defense_class, parse_defense_names
@@ -158,7 +158,8 @@ def score_images(
     metrics = image_metrics(reconstructions, targets)
     metrics.update({f"baseline_{name}": value for name, value in mean_image_baseline(aux_images, targets).items()})
     marked = [(i, truth.mark(s)) for i, s in enumerate(samples) if truth.mark(s) is not None]
-    aux_marked = [(i, truth.mark(s)) for i, s in enumerate(aux) if truth.mark(s) is not None]
+    # The attacker's own images' marks are public (their split's records), wherever the run's are.
+    aux_marked = [(i, mark) for i, mark in enumerate(public_marks(aux)) if mark is not None]
     if marked and aux_marked:
         reader = MarkReader().fit(aux_images[[i for i, _ in aux_marked]], [m for _, m in aux_marked])
         rows = [i for i, _ in marked]

@@ -3,7 +3,7 @@
 import pytest
 
 from attacks import build_attack
-from attacks.marks import MarkReader, mark_readback
+from attacks.marks import MarkReader, mark_readback, public_marks
 from vqa import load_vqa
 from vqa import mark_records
 
@@ -42,3 +42,12 @@ def test_image_attacks_report_the_read_back_on_stamped_data(knowledge, stamped, 
     marked = sum(s.image_id in marks for s in victims[:16])
     assert result.metrics["marked_samples"] == marked > 0
     assert 0 <= result.metrics["mark_readback"] <= 1
+
+
+def test_the_attackers_own_images_marks_come_from_their_splits_public_records(stamped):
+    victims, aux, marks = stamped
+    # The run's truth knows the victims' marks only; the attacker's images' come from its split's records.
+    found = public_marks([*aux[:50], *victims[:50]])
+    assert found == [marks.get(s.image_id) for s in [*aux[:50], *victims[:50]]]
+    assert any(mark is not None for mark in found[:50])
+    assert public_marks(list(load_vqa("easyvqa", "test", limit=5, seed=0))) == [None] * 5
