@@ -31,8 +31,8 @@ def sweep(name: str = "pruning-attacks") -> Results:
                          "exclusion_ratio": 1.3 + 0.05 * seed if policy == "dtp" else None})
             outcomes += [{**settings, "item": f"q{i}", "score": score} for i, score in enumerate(scores)]
             attacks += [{**settings, "attack": "mia", "base_attack": "mia", "attack_success": mia + 0.01 * seed},
-                        {**settings, "attack": "fora", "base_attack": "fora", "psnr": psnr + 0.02 * seed,
-                         "baseline_psnr": 15.0},
+                        *({**settings, "attack": label, "base_attack": "fora", "psnr": psnr + 0.02 * seed - lower,
+                           "baseline_psnr": 15.0} for label, lower in (("fora", 0.0), ("fora_unaware", 0.1))),
                         *({**settings, "attack": label, "base_attack": "cut_probe", "mark_readback": value + 0.01 * seed,
                            "mark_readback_chance": CHANCE}
                           for label, value in (("cut_probe", told), ("cut_probe_unaware", untold))),
@@ -66,9 +66,12 @@ def test_each_claim_gets_the_verdict_its_numbers_give():
     assert found["DTP leaks less than fastv at equal tokens"] == "not testable"
     # Told the policy, the probe reads 5-20 points more on every pruned policy.
     assert found["an attacker told the policy reads more (cut probe mark_readback)"] == "holds"
-    assert found["an attacker told the policy reads more (FORA psnr)"] == "not testable"
+    # Told, FORA gains 0.1 dB, but neither attacker leaves the mean image's PSNR (within 1 dB).
+    table = qpriv_vl.claims(sweep()).set_index("claim")
+    assert table.loc["an attacker told the policy reads more (FORA psnr)", "verdict"] == "not testable"
+    assert "floor" in table.loc["an attacker told the policy reads more (FORA psnr)", "reason"]
     # ActInv recovers as much at round 3 as at round 1: the difference is 0 exactly.
-    assert found["leakage grows over training (ActInv token_recall, round 3 − round 1)"] == "inconclusive"
+    assert found["leakage grows over training, unpruned (ActInv token_recall, round 3 − round 1)"] == "inconclusive"
 
 
 def test_membership_is_read_from_the_sweep_that_holds_it():
