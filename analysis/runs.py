@@ -313,7 +313,7 @@ def load_results(*paths: str | Path) -> Results:
     attack_frame = pd.DataFrame(attacks)
     if not attack_frame.empty:
         # Every attack row carries its run's settings, so a table groups by them directly.
-        keep = ["run", "sweep", "start", "seed", "paradigm", "profile", "policy", "threat", "hijacked", "defenses", "defense_setting", "defense_series",
+        keep = ["run", "sweep", "start", "seed", "paradigm", "profile", "policy", "policy_name", "threat", "hijacked", "defenses", "defense_setting", "defense_series",
                 "defense_strength", "privacy_setting", "accountant_epsilon", "kept_tokens_mean", "test_accuracy"]
         # An attack's own copy of a run setting (the membership audits report the accountant's ε)
         # gives way to the run's, which the tables read under its own name.

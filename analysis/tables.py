@@ -36,16 +36,20 @@ def paradigm_table(results: Results) -> pd.DataFrame:
 
 
 def pruning_table(results: Results) -> pd.DataFrame:
-    """Per paradigm and policy, under a passive server: accuracy, kept tokens, bytes, removal."""
+    """Per sweep, paradigm and policy, under a passive server: accuracy (the mean over its seeds, and
+    the questions scored in all), kept tokens, bytes, removal; `seeds` the runs behind each row."""
     runs = results.finished()
     runs = (runs[(runs["threat"] == threats.PASSIVE.name) & (runs["defenses"] == NO_DEFENSE)] if "threat" in runs
             else runs)
     if runs.empty:
         return pd.DataFrame()
-    table = runs[["paradigm", "policy", "test_accuracy", "test_count", "kept_tokens_mean", "patches_removed_share",
-                  "mark_patches_removed_share", "exclusion_ratio"]].copy()
-    table.insert(4, "MiB_up_per_round", runs["bytes_up"] / runs["rounds_done"] / 2**20)
-    return table.sort_values(["paradigm", "kept_tokens_mean"], ascending=[True, False]).reset_index(drop=True)
+    runs = runs.assign(MiB_up_per_round=runs["bytes_up"] / runs["rounds_done"] / 2**20,
+                       sweep=runs["sweep"] if "sweep" in runs else "")
+    means = ["test_accuracy", "kept_tokens_mean", "MiB_up_per_round", "patches_removed_share",
+             "mark_patches_removed_share", "exclusion_ratio"]
+    table = runs.groupby(["sweep", "paradigm", "policy"], dropna=False).agg(
+        seeds=("run", "count"), test_count=("test_count", "sum"), **{c: (c, "mean") for c in means}).reset_index()
+    return table.sort_values(["sweep", "paradigm", "kept_tokens_mean"], ascending=[True, True, False]).reset_index(drop=True)
 
 
 def _headlines(group: pd.DataFrame, row: dict[str, Any]) -> dict[str, Any]:

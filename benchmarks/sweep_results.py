@@ -170,10 +170,13 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
             [[r["paradigm"].upper(), r["round"], percent(r["test_accuracy"]), _f(r["train_loss"], ".3f")]
              for r in tables["rounds"]])]
     if "pruning" in tables:
-        lines += ["", "## Pruning (passive server)", "", markdown_table(
-            ["paradigm", "policy", "test acc.", "kept tokens", "MiB up / round", "patches removed",
+        lines += ["", "## Pruning (passive server)", "", "Test accuracy: the mean over the policy's seeds; questions: "
+                  "scored over all of them.", "", markdown_table(
+            ["paradigm", "policy", "seeds", "questions", "test acc.", "kept tokens", "MiB up / round", "patches removed",
              "mark patches removed", "exclusion ratio"],
-            [[r["paradigm"].upper(), r["policy"], percent(r["test_accuracy"]), _f(r["kept_tokens_mean"], ".1f"),
+            [[r["paradigm"].upper(), r["policy"], r.get("seeds", 1), _f(r.get("test_count"), ".0f"),
+              percent(r["test_accuracy"]),
+              _f(r["kept_tokens_mean"], ".1f"),
               _f(r["MiB_up_per_round"], ".1f"), percent(r["patches_removed_share"]),
               percent(r["mark_patches_removed_share"]), _f(r["exclusion_ratio"], ".2f")] for r in tables["pruning"]])]
         lines += ["", "## Attacks", "", "PSNR in dB; mark: the stamped digit read back from the reconstruction; "
