@@ -24,8 +24,8 @@ URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 # A path written out that climbs out of the file's folder, linked or not (`../shared/SPEC.md`).
 CLIMB = re.compile(r"(?<![\w/.])((?:\.\./)+[\w.-][\w./-]*)")
 # Sweeps that feed no results/*.md of their own: the memorisation preset is read by
-# benchmarks/testbed_memorisation.py, the smoke sweep by the tests.
-# Sweeps that feed something else: the testbed benchmark, the tests, pruning-attacks' claims (membership).
+# benchmarks/testbed_memorisation.py, the smoke sweep by the tests, pruning-mia by pruning-attacks'
+# claims (membership through each policy).
 NOT_RESULTS_SWEEPS = {"memorisation", "smoke", "pruning-mia"}
 
 
