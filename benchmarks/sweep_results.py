@@ -83,7 +83,7 @@ def measure(name: str, folder: Path, companions: tuple[Path, ...] = ()) -> dict[
         tables["pruning"] = records(T.pruning_table(results))
         tables["attacks"] = records(T.attack_table(results))
         judged = runs.load_results(folder, *companions) if companions else results
-        membership = judged.attacks[judged.attacks["base_attack"].isin(("mia", "mia_loss"))] \
+        membership = judged.attacks[judged.attacks["base_attack"].isin(T.MEMBERSHIP_ATTACKS)] \
             if not judged.attacks.empty else judged.attacks
         tables["mia"] = records(
             membership.groupby(["sweep", "paradigm", "policy", "attack"])

@@ -18,8 +18,7 @@ import pandas as pd
 from analysis.claims.base import NOTHING_DB, accuracy_outcomes, one_sweep, row, run_outcomes, table
 from analysis.runs import NO_DEFENSE, Results
 from analysis.stats import ABOVE, BELOW, Floor, Outcomes, Rule, compare, estimate, floor_check, not_testable
-from analysis.tables import policy_comparisons
-from attacks.base import ATTACKS, MEMBERSHIP
+from analysis.tables import MEMBERSHIP_ATTACKS, policy_comparisons
 from config import threats
 
 PAPER_MIA_UNDEFENDED = 0.99
@@ -101,10 +100,6 @@ def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
     return str((kept - tokens).abs().idxmin())
 
 
-def _is_membership(attack: Any) -> bool:
-    return isinstance(attack, str) and attack in ATTACKS and ATTACKS.get(attack).kind == MEMBERSHIP
-
-
 def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
     """The membership results of the sweep that holds the most of them among the sweeps varying the
     policy (undefended, `paradigm`), and the metric read: the AUC where any run has it."""
@@ -113,7 +108,7 @@ def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
         return attacks, "attack_success"
     chosen = policy_comparisons(attacks[(attacks["paradigm"] == paradigm) & (attacks["defenses"] == NO_DEFENSE)
                                         & (attacks.get("privacy_setting", NO_DEFENSE) == NO_DEFENSE)
-                                        & attacks["base_attack"].map(_is_membership)])
+                                        & attacks["base_attack"].isin(MEMBERSHIP_ATTACKS)])
     if chosen.empty:
         return chosen, "attack_success"
     (chosen,), _ = one_sweep([chosen], chosen, None)
