@@ -34,6 +34,11 @@ MIA_NEAR_PAPER = 0.10       # undefended MIA within 0.1 of the paper's 0.99
 ACTINV_RECALL = 0.90
 IDLG_OVER_PRIOR = 0.10
 READBACK_DROP = 0.05        # DTP's cut-probe read-back more than 5 points below another policy's
+# Two policies keep "equal tokens" when their mean kept tokens differ by at most this share.
+BUDGET_TOLERANCE = 0.15
+# The second budget the efficiency pruners are compared at: QPriv-VL's ranking as one fixed ratio
+# (the module DTP ranks with) at 25% of the tokens, where the pruners lose less accuracy.
+QUARTER = 0.25
 # The efficiency pruners of the token-pruning literature, run as policies (pruning.policies).
 EFFICIENCY = ("random", "fastv", "sparsevlm", "dart", "visionzip")
 # What an attacker told the run's policy is replayed beside (sims/sweeps/pruning-attacks.toml), per
@@ -92,12 +97,13 @@ def _by_policy(attacks: pd.DataFrame, label: str, metric: str, name: str, polici
 
 def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
     """The label of policy `name`'s runs whose mean kept tokens are nearest `tokens` (chosen by
-    budget, never by outcome); None where it did not run."""
+    budget, never by outcome), if within BUDGET_TOLERANCE of them; None where none ran there."""
     chosen = runs[runs["policy_name"] == name] if not runs.empty and "policy_name" in runs else runs.iloc[:0]
     if chosen.empty:
         return None
     kept = chosen.groupby("policy")["kept_tokens_mean"].mean()
-    return str((kept - tokens).abs().idxmin())
+    gaps = (kept - tokens).abs()
+    return str(gaps.idxmin()) if gaps.min() <= BUDGET_TOLERANCE * tokens else None
 
 
 def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
@@ -116,14 +122,14 @@ def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
 
 
 def _efficiency_rows(results: Results, runs: pd.DataFrame, attacks: pd.DataFrame, membership: pd.DataFrame,
-                     metric: str, paradigm: str) -> list[dict[str, Any]]:
-    """Privacy-aware (DTP) against each efficiency pruner at DTP's own budget: the cut probe's
-    read-back, membership, and accuracy."""
-    dtp = runs[runs["policy"] == "dtp"] if not runs.empty else runs
-    if dtp.empty:
-        return [row("DTP against the efficiency pruners at equal tokens", "not asked",
-                    not_testable("needs DTP runs"))]
-    tokens = float(dtp["kept_tokens_mean"].mean())
+                     metric: str, paradigm: str, reference: str, who: str, budget: str) -> list[dict[str, Any]]:
+    """Privacy-aware pruning (`reference`'s runs, called `who`) against each efficiency pruner at the
+    reference's own budget (called `budget`): the cut probe's read-back, membership, and accuracy."""
+    ours = runs[runs["policy"] == reference] if not runs.empty else runs
+    if ours.empty:
+        return [row(f"{who} against the efficiency pruners {budget}", "not asked",
+                    not_testable(f"needs {reference} runs"))]
+    tokens = float(ours["kept_tokens_mean"].mean())
     probe = attacks[attacks["attack"] == "cut_probe"] if not attacks.empty else attacks
     if not probe.empty and "mark_readback" in probe:
         probe = probe.assign(over_chance=probe["mark_readback"] - probe["mark_readback_chance"])
@@ -131,29 +137,30 @@ def _efficiency_rows(results: Results, runs: pd.DataFrame, attacks: pd.DataFrame
     for name in EFFICIENCY:
         label = _at_budget(runs, name, tokens)
         if label is None:
-            rows.append(row(f"DTP leaks less than {name} at equal tokens", "not asked",
-                            not_testable(f"no {name} runs")))
+            rows.append(row(f"{who} leaks less than {name} {budget}", "not asked",
+                            not_testable(f"no {name} runs {budget} ({tokens:.1f} kept tokens)")))
             continue
-        rows.append(row(f"DTP leaks less than {name} at equal tokens (cut-probe read-back)", "not asked",
+        rows.append(row(f"{who} leaks less than {name} {budget} (cut-probe read-back)", "not asked",
                         compare(run_outcomes(probe, "over_chance", f"cut probe on {label}", policy=label),
-                                run_outcomes(probe, "over_chance", "cut probe on DTP", policy="dtp"),
-                                Rule(-READBACK_DROP, BELOW, f"DTP − {label} below −{READBACK_DROP:g}"),
+                                run_outcomes(probe, "over_chance", f"cut probe on {reference}", policy=reference),
+                                Rule(-READBACK_DROP, BELOW, f"{reference} − {label} below −{READBACK_DROP:g}"),
                                 floor=READBACK_FLOOR),
-                        f"DTP − {label} read-back over a guess"))
+                        f"{reference} − {label} read-back over a guess"))
         mia_label = _at_budget(membership.drop_duplicates("run"), name, tokens) if not membership.empty else None
-        if mia_label is not None:
-            rows.append(row(f"DTP leaks less than {name} at equal tokens (membership {metric})", "not asked",
+        if mia_label is not None and (membership["policy"] == reference).any():
+            rows.append(row(f"{who} leaks less than {name} {budget} (membership {metric})", "not asked",
                             compare(run_outcomes(membership, metric, f"MIA on {mia_label}", policy=mia_label),
-                                    run_outcomes(membership, metric, "MIA on DTP", policy="dtp"),
-                                    Rule(-MIA_DROP, BELOW, f"DTP − {mia_label} below −{MIA_DROP:g}"), floor=MIA_FLOOR),
-                            f"DTP − {mia_label} {metric}"))
-        rows.append(row(f"DTP answers as well as {name} at equal tokens", "not asked",
+                                    run_outcomes(membership, metric, f"MIA on {reference}", policy=reference),
+                                    Rule(-MIA_DROP, BELOW, f"{reference} − {mia_label} below −{MIA_DROP:g}"),
+                                    floor=MIA_FLOOR),
+                            f"{reference} − {mia_label} {metric}"))
+        rows.append(row(f"{who} answers as well as {name} {budget}", "not asked",
                         compare(accuracy_outcomes(results, label, paradigm=paradigm, policy=label, defenses=NO_DEFENSE,
                                                   threat=PASSIVE),
-                                accuracy_outcomes(results, "DTP", paradigm=paradigm, policy="dtp", defenses=NO_DEFENSE,
+                                accuracy_outcomes(results, who, paradigm=paradigm, policy=reference, defenses=NO_DEFENSE,
                                                   threat=PASSIVE),
-                                Rule(-MATCH_POINTS, ABOVE, f"DTP − {label} above −{MATCH_POINTS:g}")),
-                        f"DTP − {label} accuracy"))
+                                Rule(-MATCH_POINTS, ABOVE, f"{reference} − {label} above −{MATCH_POINTS:g}")),
+                        f"{reference} − {label} accuracy"))
     return rows
 
 
@@ -275,7 +282,12 @@ def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) ->
                                 accuracy_outcomes(results, "DTP", paradigm=paradigm, policy="dtp", defenses=NO_DEFENSE,
                                                   threat=PASSIVE),
                                 Rule(0.0, ABOVE, f"DTP − {equal} above 0")), f"DTP − {equal} accuracy"))
-    rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm))
+    rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm, "dtp", "DTP", "at equal tokens"))
+    quarter = fixed.iloc[(fixed["kept_tokens_share"] - QUARTER).abs().argsort()].iloc[:1] if not fixed.empty else fixed
+    if not quarter.empty and abs(float(quarter["kept_tokens_share"].iloc[0]) - QUARTER) <= BUDGET_TOLERANCE * QUARTER:
+        label = str(quarter["policy"].iloc[0])
+        rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm, label,
+                                     f"QPriv-VL's ranking ({label})", f"at {QUARTER:.0%} of the tokens"))
     for attack, aware, unaware, metric_name in POLICY_AWARE:
         # The unpruned run sends every row: told or not, an attacker sees the same.
         rows.append(_paired_labels(attacks, unaware, aware, metric_name,

@@ -17,11 +17,11 @@ POLICIES = {"off": (64, 0.80, 0.95, 15.2, 0.60, 0.60), "fixed-0.3": (45, 0.79, 0
 CHANCE = 0.15
 
 
-def sweep(name: str = "pruning-attacks") -> Results:
+def sweep(name: str = "pruning-attacks", policies: dict = POLICIES) -> Results:
     rng = np.random.default_rng(0)
     runs, attacks, outcomes = [], [], []
     for seed in range(3):
-        for policy, (kept, accuracy, mia, psnr, told, untold) in POLICIES.items():
+        for policy, (kept, accuracy, mia, psnr, told, untold) in policies.items():
             run = f"{name}-{policy}-s{seed}"
             settings = {"run": run, "sweep": name, "seed": seed, "paradigm": "usl", "policy": policy,
                         "policy_name": policy.split("-")[0], "threat": "passive",
@@ -93,3 +93,16 @@ def test_another_sweeps_runs_of_the_same_setting_are_not_mixed_in():
                      zip((one.runs, one.rounds, one.attacks, one.outcomes, one.incomplete),
                          (other.runs, other.rounds, other.attacks, other.outcomes, other.incomplete), strict=True)))
     assert verdicts(both) == verdicts(one)
+
+
+def test_at_a_quarter_of_the_tokens_the_fixed_ratio_is_held_against_the_pruners_that_ran_there():
+    # fixed-0.75 (QPriv-VL's ranking at 16 tokens) against fastv-0.75: fastv reads 25 points more and
+    # answers as well; random ran only at DTP's budget (38 tokens), too far from 16 to be compared.
+    found = verdicts(sweep(policies={**POLICIES, "fixed-0.75": (16, 0.78, 0.8, 15.0, 0.20, 0.15),
+                                     "fastv-0.75": (16, 0.78, 0.8, 15.0, 0.45, 0.30)}))
+    quarter = "QPriv-VL's ranking (fixed-0.75)"
+    assert found[f"{quarter} leaks less than fastv at 25% of the tokens (cut-probe read-back)"] == "holds"
+    assert found[f"{quarter} answers as well as fastv at 25% of the tokens"] == "inconclusive"
+    assert found[f"{quarter} leaks less than random at 25% of the tokens"] == "not testable"
+    # The DTP rows compare at DTP's own budget still: fastv ran at 16 tokens only, not near DTP's 40.
+    assert found["DTP leaks less than fastv at equal tokens"] == "not testable"
