@@ -25,9 +25,8 @@ bound on epsilon over every canary (attacks.metrics.canary_audit), and the accou
 from the run's status.
 """
 
-import json
-
 import copy
+import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,19 +110,8 @@ class MIA(Attack):
         for start in range(0, len(records), 64):
             batch = list(records[start : start + 64])
             batch_answers = [s.answer for s in batch] if answers is None else list(answers[start : start + 64])
-            logits, labels = self._logits(model, batch, batch_answers)
-            log_probs = logits[:, :-1].log_softmax(-1)
-            targets = labels[:, 1:]
-            labelled = targets != -100
-            token_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            first = labelled.float().argmax(-1)
-            first_dist = log_probs[torch.arange(len(batch)), first].exp()
-            top = first_dist.sort(-1, descending=True).values[:, :3]
-            entropy = -(first_dist * first_dist.clamp(min=1e-12).log()).sum(-1)
-            p_true = token_log_probs[torch.arange(len(batch)), first].exp()
-            mean_log_likelihood = (token_log_probs * labelled).sum(-1) / labelled.sum(-1)
-            rows.append(torch.cat([top, p_true[:, None], mean_log_likelihood[:, None], entropy[:, None]], -1))
-        return torch.cat(rows).float().numpy()
+            rows.append(answer_confidences(*self._logits(model, batch, batch_answers)))
+        return torch.cat(rows).numpy()
 
     def _logits(self, model: torch.nn.Module, batch: Sequence[VQASample], answers: Sequence[str]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +313,26 @@ class LossThresholdMIA(MIA):
 
 # The column of the answer's mean log-likelihood in MIA.confidences' rows.
 MEAN_LOG_LIKELIHOOD = 4
+
+
+def answer_confidences(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """MIA.confidences' rows from teacher-forced `logits` and their `labels` (-100 off the answer):
+    the top-3 probabilities and the true token's at the first answer position, the answer's mean
+    log-likelihood and the first position's entropy. In float64: a record fine-tuned to a loss below
+    float32's resolution near 1 (about 6e-8) would otherwise score exactly 1, tied with every other
+    such record, and a memorised member could not be told from a non-member the base answers well."""
+    log_probs = logits[:, :-1].double().log_softmax(-1)
+    targets = labels[:, 1:]
+    labelled = targets != -100
+    token_log_probs = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    rows = torch.arange(len(logits))
+    first = labelled.double().argmax(-1)
+    first_dist = log_probs[rows, first].exp()
+    top = first_dist.sort(-1, descending=True).values[:, :3]
+    entropy = -(first_dist * first_dist.clamp(min=1e-12).log()).sum(-1)
+    p_true = token_log_probs[rows, first].exp()
+    mean_log_likelihood = (token_log_probs * labelled).sum(-1) / labelled.sum(-1)
+    return torch.cat([top, p_true[:, None], mean_log_likelihood[:, None], entropy[:, None]], -1)
 
 register_attack(MIA)
 register_attack(LossThresholdMIA)

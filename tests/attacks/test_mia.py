@@ -1,11 +1,14 @@
 """Membership and attribute inference read what fine-tuning memorised — and nothing from a model that never saw the records."""
 
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 import torch
 
 from attacks import build_attack
+from attacks.mia import MEAN_LOG_LIKELIHOOD, answer_confidences
 from attacks.truth import StaticTruth
 from vlm.segments import llava_parts
 
@@ -68,3 +71,16 @@ def test_the_loss_attack_calibrated_by_the_public_model_reads_only_what_the_fine
 def test_an_unknown_reference_is_refused_naming_it(knowledge):
     with pytest.raises(ValueError, match="reference='shadow'"):
         build_attack("mia_loss", knowledge, reference="shadow", progress=False).fit([])
+
+
+def test_records_fine_tuned_past_float32s_resolution_keep_their_order():
+    # One answer token, its logit 30 and then 20 above the four others: losses of 4e-13 and 8e-9, both
+    # below float32's resolution near 1, where exp(mean log-likelihood) would tie them at exactly 1.
+    logits = torch.zeros(2, 2, 5)
+    logits[0, 0, 3], logits[1, 0, 3] = 30.0, 20.0
+    labels = torch.tensor([[-100, 3], [-100, 3]])
+    rows = answer_confidences(logits, labels)
+    likelihood = rows[:, MEAN_LOG_LIKELIHOOD].numpy()
+    assert likelihood[1] < likelihood[0] < 0
+    assert likelihood[0] == pytest.approx(-4 * math.exp(-30), rel=1e-3)
+    assert np.exp(likelihood[1]) < np.exp(likelihood[0]) < 1.0
