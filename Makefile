@@ -4,11 +4,12 @@
 setup:
 	@bash scripts/setup.sh
 
-# Three workers on CI's two cores (the flwr-run and deployment tests spend part of their time
-# waiting on Flower). Whole files per worker, so module fixtures are built once and the `flwr run`
-# tests (fixed ports) share one SuperLink; tests/conftest.py orders the files, long ones first.
+# Four workers on CI's two cores: the three long files (`flwr run` and the deployment tests) spend
+# most of their minutes waiting on Flower (heartbeats, cold starts, timeouts), and the fourth worker
+# keeps the cores busy meanwhile. Whole files per worker, so module fixtures are built once and the
+# `flwr run` tests (fixed ports) share one SuperLink; tests/conftest.py orders the files, long ones first.
 test: setup
-	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	.venv/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder
 
 # `build` installs the shipped weights (digest checked) in seconds; `build --from-scratch` rebuilds them (about an hour and a half on one core).
 run: setup
