@@ -4,9 +4,10 @@ cannot compare the best of several runs."""
 import numpy as np
 import pandas as pd
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from analysis.stats import (ABOVE, BELOW, MIN_SEEDS, WITHIN, Floor, Rule, UnpairedError, Verdict, bootstrap, compare,
-                            bootstrap_auroc, estimate, outcomes, paired_differences, wilson)
+                            bootstrap_auroc, estimate, outcomes, paired_differences, rank_auroc, wilson)
 
 
 def frame(settings: dict[str, list[list[float]]], seeds=None) -> pd.DataFrame:
@@ -137,3 +138,13 @@ def test_an_auroc_is_bootstrapped_over_its_groups():
     labels = np.array([[1, 0, 0], [1, 0, 0], [1, 0, 0]])
     auroc = bootstrap_auroc(scores, labels)
     assert auroc.low <= auroc.value <= auroc.high and auroc.items == 3 and auroc.value < 1.0
+
+
+def test_the_batched_auroc_is_sklearns_row_by_row_ties_included():
+    rng = np.random.default_rng(3)
+    scores = rng.integers(0, 5, size=(50, 40)).astype(float)  # many ties
+    labels = rng.random((50, 40)) < 0.3
+    labels[0] = False  # one class only: no AUROC
+    found = rank_auroc(scores, labels)
+    assert np.isnan(found[0])
+    assert found[1:] == pytest.approx([roc_auc_score(y, x) for x, y in zip(scores[1:], labels[1:], strict=True)])
