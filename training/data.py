@@ -95,10 +95,17 @@ class RunData:
             records.update(mark_records(data.dataset, split, data.source or None))
         return records
 
+    @cached_property
+    def _mark_patches_by_grid(self) -> dict[tuple[int, int], dict[str, tuple[int, ...]]]:
+        return {}
+
     def mark_patches(self, profile: Profile) -> dict[str, tuple[int, ...]]:
-        """The patches holding each stamped image's mark at `profile`'s patch grid."""
-        size, patch = profile.image_size, profile.patch_size
-        return {image: mark_patches(record, size, patch) for image, record in self.marks.items()}
+        """The patches holding each stamped image's mark at `profile`'s patch grid: worked out once
+        per grid, since every client turn builds its runtime from them."""
+        grid = (profile.image_size, profile.patch_size)
+        if grid not in self._mark_patches_by_grid:
+            self._mark_patches_by_grid[grid] = {image: mark_patches(record, *grid) for image, record in self.marks.items()}
+        return self._mark_patches_by_grid[grid]
 
     def auxiliary(self, limit: int, seed: int = 1) -> list[VQASample]:
         """`limit` rows of the run's `threat.aux_split` whose images no client trains on or scores on:
