@@ -205,8 +205,8 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
                 [[r["paradigm"].upper(), r.get("threat", ""), r["policy"], _f(r.get("kept_tokens_mean"), ".1f"),
                   *(_f(r.get(key), ".1f" if "psnr" in key else ".2f") for key, _ in readback)]
                  for r in tables["attacks"] if any(r.get(key) is not None for key, _ in readback)])]
-        lines += ["", "Membership (each sweep's own setting: pruning-mia is the memorisation setting, 32 private rows "
-                  "fine-tuned 100 epochs):", "", markdown_table(
+        lines += ["", "Membership (each sweep's own setting: pruning-mia is the memorisation setting of "
+                  "sims/sweeps/pruning-mia.toml):", "", markdown_table(
             ["sweep", "paradigm", "policy", "attack", "seeds", "kept tokens", "success", "AUC", "TPR @ 1% FPR"],
             [[r["sweep"], r["paradigm"].upper(), r["policy"], r["attack"], r["seeds"], _f(r["kept_tokens_mean"], ".1f"),
               _f(r["attack_success"], ".3f"), _f(r["auc"], ".3f"), _f(r["tpr_at_fpr_01"], ".3f")]
