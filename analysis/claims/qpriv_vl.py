@@ -106,6 +106,14 @@ def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
     return str(gaps.idxmin()) if gaps.min() <= BUDGET_TOLERANCE * tokens else None
 
 
+def _fixed_at(fixed: pd.DataFrame, share: float) -> str | None:
+    """The fixed ratio whose share of kept tokens is nearest `share`, if within BUDGET_TOLERANCE of it."""
+    if fixed.empty:
+        return None
+    nearest = fixed.iloc[(fixed["kept_tokens_share"] - share).abs().argsort()].iloc[0]
+    return str(nearest["policy"]) if abs(nearest["kept_tokens_share"] - share) <= BUDGET_TOLERANCE * share else None
+
+
 def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
     """The membership results of the sweep that holds the most of them among the sweeps varying the
     policy (undefended, `paradigm`), and the metric read: the AUC where any run has it."""
@@ -283,11 +291,10 @@ def claims(results: Results, paradigm: str = "usl", sweep: str | None = None) ->
                                                   threat=PASSIVE),
                                 Rule(0.0, ABOVE, f"DTP − {equal} above 0")), f"DTP − {equal} accuracy"))
     rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm, "dtp", "DTP", "at equal tokens"))
-    quarter = fixed.iloc[(fixed["kept_tokens_share"] - QUARTER).abs().argsort()].iloc[:1] if not fixed.empty else fixed
-    if not quarter.empty and abs(float(quarter["kept_tokens_share"].iloc[0]) - QUARTER) <= BUDGET_TOLERANCE * QUARTER:
-        label = str(quarter["policy"].iloc[0])
-        rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm, label,
-                                     f"QPriv-VL's ranking ({label})", f"at {QUARTER:.0%} of the tokens"))
+    quarter = _fixed_at(fixed, QUARTER)
+    if quarter is not None:
+        rows.extend(_efficiency_rows(results, runs, attacks, membership, metric, paradigm, quarter,
+                                     f"QPriv-VL's ranking ({quarter})", f"at {QUARTER:.0%} of the tokens"))
     for attack, aware, unaware, metric_name in POLICY_AWARE:
         # The unpruned run sends every row: told or not, an attacker sees the same.
         rows.append(_paired_labels(attacks, unaware, aware, metric_name,
