@@ -30,7 +30,7 @@ not testable there.
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from statistics import NormalDist
 from typing import Any
@@ -364,7 +364,11 @@ def compare(reference: Outcomes, other: Outcomes, rule: Rule, floor: Floor | Non
     except UnpairedError as error:
         return not_testable(f"unpaired: {error}")
     value = bootstrap(differences, resamples, seed=seed)
-    early = _too_few([reference, other], value, rule) or floor_check(reference, floor, resamples, seed)
+    early = _too_few([reference, other], value, rule)
     if early is not None:
         return early
+    at_floor = floor_check(reference, floor, resamples, seed)
+    if at_floor is not None:
+        # The row still shows the difference it is labelled with; the reason gives the reference's level.
+        return replace(at_floor, estimate=value, n=reference.n())
     return Judgement(rule.judge(value), rule.describe(), value, rule, reference.n())

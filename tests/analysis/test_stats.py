@@ -52,6 +52,8 @@ def test_an_attack_at_its_floor_is_not_testable():
     floor = Floor(20.0, 1.0, "the mean image's PSNR")
     judgement = compare(outcomes(data, policy="none"), outcomes(data, policy="noise"), Rule(0.0, BELOW), floor=floor)
     assert judgement.verdict is Verdict.NOT_TESTABLE and "floor" in judgement.reason
+    # The estimate shown is still the difference (about 0), not the reference's level (20).
+    assert abs(judgement.estimate.value) < 0.1
     lifted = frame({"none": [list(25 + rng.standard_normal(50)) for _ in range(3)],
                     "noise": [list(20 + rng.standard_normal(50)) for _ in range(3)]})
     judged = compare(outcomes(lifted, policy="none"), outcomes(lifted, policy="noise"), Rule(0.0, BELOW), floor=floor)
