@@ -95,23 +95,24 @@ def _by_policy(attacks: pd.DataFrame, label: str, metric: str, name: str, polici
     return Outcomes(name, frame.dropna().reset_index(drop=True))
 
 
-def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
-    """The label of policy `name`'s runs whose mean kept tokens are nearest `tokens` (chosen by
-    budget, never by outcome), if within BUDGET_TOLERANCE of them; None where none ran there."""
-    chosen = runs[runs["policy_name"] == name] if not runs.empty and "policy_name" in runs else runs.iloc[:0]
-    if chosen.empty:
+def _nearest(kept: pd.Series, target: float) -> str | None:
+    """The label (`kept`'s index) whose budget is nearest `target`, if within BUDGET_TOLERANCE of
+    it: chosen by budget, never by outcome; None where none is that near."""
+    if kept.empty:
         return None
-    kept = chosen.groupby("policy")["kept_tokens_mean"].mean()
-    gaps = (kept - tokens).abs()
-    return str(gaps.idxmin()) if gaps.min() <= BUDGET_TOLERANCE * tokens else None
+    gaps = (kept - target).abs()
+    return str(gaps.idxmin()) if gaps.min() <= BUDGET_TOLERANCE * target else None
+
+
+def _at_budget(runs: pd.DataFrame, name: str, tokens: float) -> str | None:
+    """The label of policy `name`'s runs whose mean kept tokens are nearest `tokens`."""
+    chosen = runs[runs["policy_name"] == name] if not runs.empty and "policy_name" in runs else runs.iloc[:0]
+    return _nearest(chosen.groupby("policy")["kept_tokens_mean"].mean(), tokens)
 
 
 def _fixed_at(fixed: pd.DataFrame, share: float) -> str | None:
-    """The fixed ratio whose share of kept tokens is nearest `share`, if within BUDGET_TOLERANCE of it."""
-    if fixed.empty:
-        return None
-    nearest = fixed.iloc[(fixed["kept_tokens_share"] - share).abs().argsort()].iloc[0]
-    return str(nearest["policy"]) if abs(nearest["kept_tokens_share"] - share) <= BUDGET_TOLERANCE * share else None
+    """The fixed ratio whose share of kept tokens is nearest `share`."""
+    return _nearest(fixed.set_index("policy")["kept_tokens_share"], share)
 
 
 def _membership(results: Results, paradigm: str) -> tuple[pd.DataFrame, str]:
