@@ -24,7 +24,7 @@ from config.threats import THREAT_MODELS, ThreatModel
 from privacy import (
     EDGE, LOSS, STAGES, OptionError, client_stages, defense_class, defense_names, parse_defense_names, stage_paradigms,
 )
-from privacy.dp import MODES, SGD, DPOptions, Federation, mode_paradigms, noise_multiplier
+from privacy.dp import CENTRAL, CENTRAL_CLIENT_CLIPPING, MODES, OFF, SGD, DPOptions, Federation, mode_paradigms, noise_multiplier
 from privacy.dp_mtv import DISTRIBUTED, PRIVATE, DPMTVOptions, chunk_counts, sum_noise_std
 from privacy.secagg import SecAggOptions
 from pruning import POLICIES, get_policy, get_pruning_profile, policy_names, policy_options
@@ -219,6 +219,11 @@ class ThreatConfig:
     fsha_seed: int = 0
     # FSHA's pilot prunes its public images with the run's own pruning policy (the server knows it).
     fsha_policy_aware: bool = False
+    # FL only: the server audits the run with this many canary clients in update space, each in
+    # the federation by a fair coin, whose update is the clipping norm (privacy.dp.clip) on one
+    # adapter coordinate (attacks.update_canaries; 0: no audit). Their share of the adapters' change
+    # is the audit's signal, and they cost the model what such clients would.
+    update_canaries: int = 0
 
 
 @dataclass
@@ -432,6 +437,9 @@ def _validate_threat(config: SimConfig) -> None:
     _choice("threat.aux_split", threat.aux_split, get_adapter(config.data.dataset).splits)
     for key in ("aux_limit", "fsha_pretrain_steps", "fsha_discriminator_steps", "fsha_decoder_width", "fsha_batch_size"):
         _at_least(f"threat.{key}", getattr(threat, key), 1)
+    _at_least("threat.update_canaries", threat.update_canaries, 0)
+    if threat.update_canaries:
+        _check_update_canaries(config)
     # The hijack trains on public data before the first step: a split the clients hold whole leaves none.
     client_splits = {config.data.train_split: "train_limit", config.data.test_split: "test_limit"}
     limit_key = client_splits.get(threat.aux_split)
@@ -440,6 +448,25 @@ def _validate_threat(config: SimConfig) -> None:
             f"data.{limit_key}", 0, f"> 0 under threat.model={threat.model}: the attacker's public data is the rest of "
             f"the {threat.aux_split!r} split (threat.aux_split), and 0 gives all of it to the clients"
         )
+
+
+# The DP modes whose noise a canary client's update meets as a real client's would.
+AUDITED_DP_MODES = (OFF, CENTRAL, CENTRAL_CLIENT_CLIPPING)
+
+
+def _check_update_canaries(config: SimConfig) -> None:
+    value = config.threat.update_canaries
+    if config.paradigm != "fl":
+        raise ConfigError("threat.update_canaries", value, f"0 for paradigm {config.paradigm} (canary clients join "
+                          "FedAvg's average; split runs are audited with data.canaries)")
+    if config.privacy.secagg.enabled:
+        raise ConfigError("threat.update_canaries", value, "0 under privacy.secagg.enabled (a canary client is no "
+                          "SecAgg+ node, and the server sees no round's clients one by one)")
+    if config.privacy.dp.mode not in AUDITED_DP_MODES:
+        raise ConfigError("threat.update_canaries", value, f"0 under privacy.dp.mode={config.privacy.dp.mode}; canaries "
+                          f"audit the modes {', '.join(AUDITED_DP_MODES)} (a canary's update is the fixed clipping norm, "
+                          "noised as the server noises)")
+    _at_least("threat.update_canaries", value, 2)
 
 
 def _validate_privacy(config: SimConfig) -> None:

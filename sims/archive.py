@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from attacks.context import ATTACK_FOLDER
+from attacks.update_canaries import UPDATE_CANARIES_FILE
 from strategies.callbacks import CANARIES_FILE, write_json_atomically
 from training.protocol import ARCHIVE_MARKER, NODE_PARTITIONS_FILE, OUTCOMES_FILE, SWEEP_STAMP
 
 RUN_FILES = ("config.json", "status.json", "metrics.jsonl", OUTCOMES_FILE, "committed.json", NODE_PARTITIONS_FILE,
-             CANARIES_FILE)
+             CANARIES_FILE, UPDATE_CANARIES_FILE)
 # Attack outputs (reconstructions, MIA scores) larger than this stay on the machine: 70 points of
 # 256 reconstructed images would weigh hundreds of MiB in the repository.
 MAX_OUTPUT_BYTES = 1 << 20

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from pruning import PruningRecord
 from config import SimConfig
 from strategies.base import ClientFault, GridWrapper, Outcomes, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
+from strategies.canary_audit import CanaryAudit
 from strategies.dp import FederatedDP
 from strategies.secagg import SECAGG_ROUND_TRIPS, SecureAggregation, SecureRound
 from training import protocol
@@ -88,8 +89,12 @@ class WireFedAvg(FedAvg):
         # The round and phase ("train", "evaluate") of the messages the grid carries now.
         self.current: tuple[int, str] = (first_round, "train")
         self.started = time.perf_counter()
+        # The auditor's canary clients (threat.update_canaries) join the average inside the DP wrapper.
+        self.audited: Strategy = self
+        if config.threat.update_canaries:
+            self.audited = CanaryAudit(config, self, global_shapes, config.run_folder(), first_round - 1, self.round_of)
         # DP-FedAvg (privacy.dp): Flower's wrapper around this strategy, and the budget it spends.
-        self.dp = FederatedDP(config, self) if config.privacy.dp.federated else None
+        self.dp = FederatedDP(config, self.audited) if config.privacy.dp.federated else None
         # SecAgg+ (privacy.secagg): training rounds whose updates the server only sees summed.
         self.secagg = SecureAggregation(config) if config.privacy.secagg.enabled else None
         self.sent_bytes: dict[int, int] = {}
@@ -100,9 +105,9 @@ class WireFedAvg(FedAvg):
         self.client_budgets: list[dict[str, Any]] = []
 
     @property
-    def outer(self) -> FedAvg:
-        """The strategy to start: this one, or the DP wrapper around it."""
-        return self.dp.outer if self.dp else self
+    def outer(self) -> Strategy:
+        """The strategy to start: this one, or the wrappers around it (canaries, then DP)."""
+        return self.dp.outer if self.dp else self.audited
 
     def round_of(self, server_round: int) -> int:
         return server_round + self.offset

@@ -51,6 +51,13 @@ def test_the_paper_sim_holds_the_paper_settings():
         ({"threat.fsha_pretrain_steps": 0}, "threat.fsha_pretrain_steps", ">= 1"),
         ({"threat.model": "active-fsha", "data.test_limit": 0}, "data.test_limit", "public data is the rest"),
         ({"threat.model": "active-fsha", "threat.aux_split": "train"}, "data.train_limit", "threat.aux_split"),
+        ({"threat.update_canaries": -1}, "threat.update_canaries", ">= 0"),
+        ({"threat.update_canaries": 100}, "threat.update_canaries", "0 for paradigm usl"),
+        ({"paradigm": "fl", "threat.update_canaries": 1}, "threat.update_canaries", ">= 2"),
+        ({"paradigm": "fl", "threat.update_canaries": 100, "privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 1.0},
+         "threat.update_canaries", "audit the modes off, central, central-client-clipping"),
+        ({"paradigm": "fl", "clients.count": 3, "threat.update_canaries": 100, "privacy.secagg.enabled": True},
+         "threat.update_canaries", "SecAgg+ node"),
     ],
 )
 def test_a_wrong_value_names_key_value_and_allowed(overrides, key, allowed):
