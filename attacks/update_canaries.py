@@ -6,7 +6,9 @@ inclusion with probability 1/2). A canary's update is a Dirac canary (Nasr et al
 Andrew et al. 2024): the clipping norm C on one adapter coordinate, with a random sign, each
 canary on its own coordinate. The canaries the coin included join every round's aggregate as
 clients of that round, before the DP wrapper's noise: each adds C/n to its coordinate, n the
-clients averaged, the sensitivity the DP-FedAvg wrapper's noise (z·C/n) is calibrated to. The
+clients averaged, the sensitivity the DP-FedAvg wrapper's noise (z·C/n) is calibrated to. Under
+poisson sampling (clients.sampling) a canary joins a round by its own coin, as a real client does,
+and n is the expected cohort. The
 auditor's score of a canary is its coordinate's change, signed, summed over the rounds; the
 one-run audit (attacks.metrics.one_run_audit) turns the scores of all canaries, included or not,
 into a lower bound on the run's epsilon.
@@ -62,11 +64,13 @@ class CanarySet:
     def _flat(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
         return np.concatenate([np.asarray(arrays[name], dtype=np.float64).ravel() for name in self.shapes])
 
-    def contribution(self, norm: float, clients: int) -> dict[str, np.ndarray]:
-        """What the included canaries add to a round's average of `clients` updates: each its
-        update (`norm` on its coordinate, signed) weighted as one client, 1/clients."""
+    def contribution(self, norm: float, clients: int, joining: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """What the included canaries add to a round's average over `clients`: each its update
+        (`norm` on its coordinate, signed) weighted as one client, 1/clients. `joining`: which
+        canaries the round's sampling drew (None: all), as it draws real clients."""
+        present = self.included if joining is None else self.included & joining
         flat = np.zeros(sum(int(np.prod(shape)) for shape in self.shapes.values()))
-        flat[self.coordinates[self.included]] = self.signs[self.included] * norm / clients
+        flat[self.coordinates[present]] = self.signs[present] * norm / clients
         return {name: flat[offset: offset + int(np.prod(shape))].reshape(shape).astype(np.float32)
                 for (name, shape), offset in zip(self.shapes.items(), self.offsets.values(), strict=True)}
 

@@ -261,7 +261,9 @@ def release_other_runs(config: SimConfig, fingerprint: str) -> None:
         runtime.save_unsaved()
         if runtime.model.active_adapter == runtime.adapter:
             runtime.model.set_adapter(DEFAULT_ADAPTER)
-        runtime.model.delete_adapter(runtime.adapter)
+        # FL's clients share their set: the first of them to go takes it.
+        if runtime.adapter in runtime.model.peft_config:
+            runtime.model.delete_adapter(runtime.adapter)
     in_use = {id(runtime.party) for runtime in _RUNTIMES.values()}
     for key in [key for key, party in _BASES.items() if id(party) not in in_use and key != _base_key(config)]:
         del _BASES[key]
@@ -290,8 +292,11 @@ def build_runtime(config: SimConfig, partition_id: int, state_dir: str | Path) -
         features.save(cached)
     owners = party_owners(config.paradigm_spec, CLIENT)
     owned = {segment.owner: segment for segment in party.segments if segment.owner in owners}
-    # Named by what the runtime is for, so a rebuilt runtime (a cleared cache) reuses its set.
-    digest = hashlib.sha256(f"{config.fingerprint()}|{partition_id}|{Path(state_dir).resolve()}".encode()).hexdigest()
+    # Named by what the runtime is for, so a rebuilt runtime (a cleared cache) reuses its set. An FL
+    # client keeps nothing between messages (each starts from the server's adapters, with a fresh
+    # AdamW), so the FL clients of a process share one set: hundreds of virtual clients cost one.
+    holder = "" if config.paradigm_spec.averages_updates else f"|{partition_id}|{Path(state_dir).resolve()}"
+    digest = hashlib.sha256(f"{config.fingerprint()}{holder}".encode()).hexdigest()
     adapter = f"client_{digest[:16]}"
     initial = {}
     for segment in owned.values():

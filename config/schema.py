@@ -93,11 +93,21 @@ class DataConfig:
     canaries: int = 0
 
 
+# How an FL round draws its clients (clients.sampling).
+FIXED, POISSON = "fixed", "poisson"
+SAMPLINGS = (FIXED, POISSON)
+
+
 @dataclass
 class ClientsConfig:
     count: int = 2
     # FL only: share of clients sampled per round.
     fraction_train: float = 1.0
+    # FL only. fixed: fraction_train of the clients each round, drawn without replacement.
+    # poisson: each client by its own coin of probability fraction_train (cross-device FL), the
+    # round averaged over the expected cohort (count · fraction_train, a whole number), so DP-FedAvg's
+    # accountant may amplify by sampling.
+    sampling: str = "fixed"
     # Deployment: a SuperNode hands each message to a worker that keeps this run's client
     # resident (clients.worker); false rebuilds the client in every message's own process.
     warm_worker: bool = True
@@ -106,7 +116,10 @@ class ClientsConfig:
 
     @property
     def sampled(self) -> int:
-        """The clients an FL round trains: `fraction_train` of them, at least one."""
+        """The clients an FL round trains: `fraction_train` of them, at least one (poisson: the
+        expected cohort)."""
+        if self.sampling == POISSON:
+            return round(self.count * self.fraction_train)
         return max(1, int(self.count * self.fraction_train))
 
 
@@ -395,6 +408,7 @@ def validate(config: SimConfig) -> None:
                           f"1 for paradigm {config.paradigm} (one trainer holds all data)")
     if not 0 < config.clients.fraction_train <= 1:
         raise ConfigError("clients.fraction_train", config.clients.fraction_train, "a share in (0, 1]")
+    _check_sampling(config)
     if not config.clients.worker_idle_s > 0:
         raise ConfigError("clients.worker_idle_s", config.clients.worker_idle_s, "> 0 seconds")
     for key in ("rounds", "steps_per_round", "batch_size", "grad_accum"):
@@ -450,8 +464,30 @@ def _validate_threat(config: SimConfig) -> None:
         )
 
 
-# The DP modes whose noise a canary client's update meets as a real client's would.
-AUDITED_DP_MODES = (OFF, CENTRAL, CENTRAL_CLIENT_CLIPPING)
+# The DP modes that noise the round's average at a fixed clipping norm, or add nothing: what poisson
+# sampling's accounting and the update canaries (a client's update of exactly that norm) assume.
+FIXED_NORM_DP_MODES = (OFF, CENTRAL, CENTRAL_CLIENT_CLIPPING)
+
+
+def _check_sampling(config: SimConfig) -> None:
+    clients = config.clients
+    _choice("clients.sampling", clients.sampling, SAMPLINGS)
+    if clients.sampling != POISSON:
+        return
+    if config.paradigm != "fl":
+        raise ConfigError("clients.sampling", clients.sampling, f"fixed for paradigm {config.paradigm} (only FL samples "
+                          "its clients)")
+    expected = clients.count * clients.fraction_train
+    if not (clients.fraction_train < 1 and abs(expected - round(expected)) < 1e-9 and round(expected) >= 1):
+        raise ConfigError("clients.fraction_train", clients.fraction_train,
+                          f"a share below 1 of clients.count={clients.count} that is a whole number of clients (the "
+                          "expected cohort poisson sampling averages over)")
+    if config.privacy.secagg.enabled:
+        raise ConfigError("clients.sampling", clients.sampling, "fixed under privacy.secagg.enabled (SecAgg+'s "
+                          "thresholds are set for a known cohort)")
+    if config.privacy.dp.mode not in FIXED_NORM_DP_MODES:
+        raise ConfigError("clients.sampling", clients.sampling, f"fixed under privacy.dp.mode={config.privacy.dp.mode}; "
+                          f"poisson sampling is accounted for the modes {', '.join(FIXED_NORM_DP_MODES)}")
 
 
 def _check_update_canaries(config: SimConfig) -> None:
@@ -462,9 +498,9 @@ def _check_update_canaries(config: SimConfig) -> None:
     if config.privacy.secagg.enabled:
         raise ConfigError("threat.update_canaries", value, "0 under privacy.secagg.enabled (a canary client is no "
                           "SecAgg+ node, and the server sees no round's clients one by one)")
-    if config.privacy.dp.mode not in AUDITED_DP_MODES:
+    if config.privacy.dp.mode not in FIXED_NORM_DP_MODES:
         raise ConfigError("threat.update_canaries", value, f"0 under privacy.dp.mode={config.privacy.dp.mode}; canaries "
-                          f"audit the modes {', '.join(AUDITED_DP_MODES)} (a canary's update is the fixed clipping norm, "
+                          f"audit the modes {', '.join(FIXED_NORM_DP_MODES)} (a canary's update is the fixed clipping norm, "
                           "noised as the server noises)")
     _at_least("threat.update_canaries", value, 2)
 
@@ -508,7 +544,8 @@ def _validate_privacy(config: SimConfig) -> None:
 
 
 def dp_federation(config: SimConfig) -> Federation:
-    return Federation(clients=config.clients.count, sampled=config.clients.sampled, rounds=config.train.rounds)
+    return Federation(clients=config.clients.count, sampled=config.clients.sampled, rounds=config.train.rounds,
+                      poisson=config.clients.sampling == POISSON)
 
 
 def _validate_federated_privacy(config: SimConfig) -> None:

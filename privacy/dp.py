@@ -10,12 +10,16 @@ What is accounted, and why that way:
 - The unit of privacy is a client (user-level DP): neighbouring federations differ by one
   client's data (add or remove one). `delta` must then be below 1 / clients.count.
 - Each round is one Gaussian release of noise multiplier z (noise std / clipping norm, on the
-  sum of the round's clipped updates), composed over the rounds without amplification by
-  sampling: the round's clients are a fixed-size draw from a seeded generator
+  sum of the round's clipped updates). Under clients.sampling = fixed the rounds compose without
+  amplification by sampling: the round's clients are a fixed-size draw from a seeded generator
   (strategies.fl.WireFedAvg.sampled_nodes), not the Poisson sample amplification assumes, and
-  no amplification is an upper bound for any sampling.
-- A round averaged over fewer clients than were sampled (a fault) has less noise per client:
-  its release is composed at z · kept / sampled.
+  no amplification is an upper bound for any sampling. Under poisson each client joins a round
+  by its own coin of probability q = clients.fraction_train and the round is averaged over the
+  expected cohort q·N, whoever came (McMahan et al. 2018's fixed denominator): each round is a
+  Poisson-subsampled Gaussian of multiplier z, which the accountant amplifies.
+- A fixed-size round averaged over fewer clients than were sampled (a fault) has less noise per
+  client: its release is composed at z · kept / sampled. A poisson round's denominator does not
+  move, nor its noise per client.
 - Local DP noises each client's own update, so each client spends the per-round release; the
   budget reported is that of a client that trains in every round (an upper bound for all).
 - Adaptive clipping spends part of z on the noisy count of clipped updates (Andrew et al.):
@@ -159,8 +163,15 @@ class Federation:
     """What the accounting of a run depends on besides its options."""
 
     clients: int
+    # The round's cohort (poisson: the expected one).
     sampled: int
     rounds: int
+    # Each client joins a round by its own coin of probability sampled / clients (clients.sampling).
+    poisson: bool = False
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.sampled / self.clients
 
     def count_stddev(self, options: DPOptions) -> float:
         """σ_b of adaptive clipping's clipped count (Flower's default: sampled clients / 20)."""
@@ -181,13 +192,20 @@ def calibrate(make_accountant: Callable[[], dp_accounting.PrivacyAccountant], ev
         make_accountant, event, target_epsilon, delta, dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4))
 
 
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int) -> float:
-    """The smallest z whose `rounds` Gaussian releases spend at most (target_epsilon, delta),
-    by dp-accounting's calibration over its RDP accountant (the one that keeps the budget)."""
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int, sampling_rate: float = 1.0) -> float:
+    """The smallest z whose `rounds` Gaussian releases, each Poisson-subsampled at `sampling_rate`
+    (1: no sampling), spend at most (target_epsilon, delta), by dp-accounting's calibration over its
+    RDP accountant (the one that keeps the budget)."""
+
+    def release(z: float) -> dp_accounting.DpEvent:
+        gaussian = dp_accounting.GaussianDpEvent(z)
+        return gaussian if sampling_rate == 1 else dp_accounting.PoissonSampledDpEvent(sampling_rate, gaussian)
+
     return calibrate(
         lambda: dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE),
-        lambda z: dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), rounds),
-        target_epsilon, delta, _CALIBRATION_RANGE, f"{rounds} rounds")
+        lambda z: dp_accounting.SelfComposedDpEvent(release(z), rounds),
+        target_epsilon, delta, _CALIBRATION_RANGE,
+        f"{rounds} rounds" + (f" sampled at rate {sampling_rate:g}" if sampling_rate < 1 else ""))
 
 
 def noise_multiplier(options: DPOptions, federation: Federation) -> float:
@@ -201,7 +219,8 @@ def noise_multiplier(options: DPOptions, federation: Federation) -> float:
             f"< 1/clients.count = {1 / federation.clients:.3g} (a delta that large lets a mechanism publish one "
             "client's update outright)",
         )
-    z = options.noise_multiplier or calibrate_noise_multiplier(options.target_epsilon, options.delta, federation.rounds)
+    z = options.noise_multiplier or calibrate_noise_multiplier(
+        options.target_epsilon, options.delta, federation.rounds, federation.sampling_rate if federation.poisson else 1.0)
     if options.mode == CENTRAL_ADAPTIVE and z >= 2 * federation.count_stddev(options):
         key, value = ("target_epsilon", options.target_epsilon) if options.target_epsilon else ("noise_multiplier", z)
         raise OptionError(
@@ -237,13 +256,16 @@ class PrivacyBudget:
             target_delta=options.delta,
             population_size=federation.clients,
             neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+            sampling_method=SamplingMethod.POISSON if federation.poisson else SamplingMethod.NO_AMPLIFICATION,
         ))
 
     def release(self, kept: int, sampled: int) -> dict[str, float]:
         """Compose one round's release, averaged over `kept` of the `sampled` clients; the
         budget spent so far, as the round's metrics."""
-        if kept:
+        if self.federation.poisson:
+            self.accountant.compose(GaussianPrivacyEvent(self.noise_multiplier, sample_size=self.federation.sampled,
+                                                         population_size=self.federation.clients))
+        elif kept:
             z = self.noise_multiplier if not self.options.server_noise else self.noise_multiplier * kept / sampled
             self.accountant.compose(GaussianPrivacyEvent(z, sample_size=kept, population_size=self.federation.clients))
         return self.spent()

@@ -4,7 +4,9 @@
 wrapper clips each real update and hands them to this wrapper's `aggregate_train`, which lets
 FedAvg average them and adds the included canaries as clients of the round (each C/n on its
 coordinate, n the clients averaged; a canary's norm is the clipping norm, so clipping would leave
-it as it is); the DP wrapper then noises the sum as it noises any round. So a canary is a client
+it as it is); the DP wrapper then noises the sum as it noises any round. Under poisson sampling
+(clients.sampling) n is the expected cohort and each canary joins a round by its own coin of the
+real clients' probability. So a canary is a client
 the mechanism protects like any other, which is what the audit must measure.
 
 Each round, the global adapters before training and after aggregation (noise included) score
@@ -16,6 +18,9 @@ its committed rounds. Everything else is the wrapped strategy's.
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -27,12 +32,15 @@ from config import SimConfig
 from strategies.callbacks import write_json_atomically
 from wire import numpy_record, numpy_tensors
 
+if TYPE_CHECKING:
+    from strategies.fl import WireFedAvg
+
 
 class CanaryAudit(Strategy):
-    def __init__(self, config: SimConfig, strategy: Strategy, shapes: dict[str, tuple[int, ...]], folder: Path,
-                 committed_round: int, round_of=lambda server_round: server_round) -> None:
-        self.strategy, self.folder, self.round_of = strategy, folder, round_of
-        self.norm = config.privacy.dp.clip
+    def __init__(self, config: SimConfig, strategy: "WireFedAvg", shapes: dict[str, tuple[int, ...]], folder: Path,
+                 committed_round: int) -> None:
+        self.strategy, self.folder = strategy, folder
+        self.norm, self.seed = config.privacy.dp.clip, config.privacy.seed
         self.canaries = CanarySet(config.threat.update_canaries, shapes, seed=config.privacy.seed)
         path = folder / UPDATE_CANARIES_FILE
         if committed_round and path.is_file():
@@ -48,7 +56,11 @@ class CanaryAudit(Strategy):
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is None:
             return arrays, metrics
-        added = self.canaries.contribution(self.norm, len(replies))
+        joining = None
+        if self.strategy.poisson:
+            draw = np.random.default_rng([self.seed, self.strategy.round_of(server_round)])
+            joining = draw.random(self.canaries.count) < self.strategy.fraction_train
+        added = self.canaries.contribution(self.norm, self.strategy.denominator(len(replies)), joining)
         averaged = numpy_tensors(arrays)
         return numpy_record({name: value + torch.from_numpy(added[name]) for name, value in averaged.items()}), metrics
 
@@ -57,7 +69,7 @@ class CanaryAudit(Strategy):
         if self.before is not None:
             before = {k: v.numpy() for k, v in numpy_tensors(self.before).items()}
             after = {k: v.numpy() for k, v in numpy_tensors(arrays).items()}
-            self.canaries.score_round(self.round_of(server_round), before, after)
+            self.canaries.score_round(self.strategy.round_of(server_round), before, after)
             write_json_atomically(self.folder / UPDATE_CANARIES_FILE, self.canaries.to_json())
             self.before = None
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)

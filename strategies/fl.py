@@ -32,6 +32,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from pruning import PruningRecord
 from config import SimConfig
+from config.schema import POISSON
 from strategies.base import ClientFault, GridWrapper, Outcomes, pruning_record, sample_level_budget
 from strategies.callbacks import RunCallback
 from strategies.canary_audit import CanaryAudit
@@ -79,6 +80,9 @@ class WireFedAvg(FedAvg):
         self.partitions = dict(partitions)
         self.global_shapes = global_shapes
         self.offset = first_round - 1
+        self.poisson = config.clients.sampling == POISSON
+        # The global adapters the round's clients start from (poisson: its sum is taken against them).
+        self.round_start: ArrayRecord | None = None
         self.num_rounds = num_rounds
         self.arrays: ArrayRecord | None = None
         self.record: dict[str, Any] = {}
@@ -92,7 +96,7 @@ class WireFedAvg(FedAvg):
         # The auditor's canary clients (threat.update_canaries) join the average inside the DP wrapper.
         self.audited: Strategy = self
         if config.threat.update_canaries:
-            self.audited = CanaryAudit(config, self, global_shapes, config.run_folder(), first_round - 1, self.round_of)
+            self.audited = CanaryAudit(config, self, global_shapes, config.run_folder(), first_round - 1)
         # DP-FedAvg (privacy.dp): Flower's wrapper around this strategy, and the budget it spends.
         self.dp = FederatedDP(config, self.audited) if config.privacy.dp.federated else None
         # SecAgg+ (privacy.secagg): training rounds whose updates the server only sees summed.
@@ -113,12 +117,20 @@ class WireFedAvg(FedAvg):
         return server_round + self.offset
 
     def sampled_nodes(self, round_: int) -> list[int]:
-        """The round's trainers: `fraction_train` of the partitions (at least one), drawn from
-        the run's seed and the round, in partition order."""
+        """The round's trainers, drawn from the run's seed and the round, in partition order:
+        `fraction_train` of the partitions (at least one), or under poisson sampling each
+        partition by its own coin of that probability."""
         nodes = list(self.partitions)
-        size = max(1, int(len(nodes) * self.fraction_train))
-        chosen = random.Random(f"fl-sample:{self.config.model.seed}:{round_}").sample(range(len(nodes)), size)
+        draw = random.Random(f"fl-sample:{self.config.model.seed}:{round_}")
+        if self.poisson:
+            return [node for node in nodes if draw.random() < self.fraction_train]
+        chosen = draw.sample(range(len(nodes)), max(1, int(len(nodes) * self.fraction_train)))
         return [nodes[i] for i in sorted(chosen)]
+
+    def denominator(self, kept: int) -> int:
+        """What a round's sum of updates is divided by: the clients averaged, or under poisson
+        sampling the expected cohort, whoever came (DP-FedAvg's fixed denominator)."""
+        return self.config.clients.sampled if self.poisson else kept
 
     def _compose(self, arrays: ArrayRecord, config: ConfigRecord, nodes: list[int], message_type: str,
                  round_: int, phase: str) -> list[Message]:
@@ -132,6 +144,7 @@ class WireFedAvg(FedAvg):
         self.started = time.perf_counter()
         self.record, self.faults, self.client_budgets = {}, [], []
         self.pruned = PruningRecord(num_patches=self.num_patches)
+        self.round_start = arrays
         round_ = self.round_of(server_round)
         return self._compose(arrays, config, self.sampled_nodes(round_), protocol.TRAIN, round_, "train")
 
@@ -250,6 +263,8 @@ class WireFedAvg(FedAvg):
         if not kept:
             raise RuntimeError(f"no client update could be averaged in round {round_}: {self.faults}")
         arrays, metrics = super().aggregate_train(server_round, kept)
+        if self.poisson:
+            arrays = self._fixed_denominator_average(kept)
         # Under SecAgg+ one reply stands for the survivors' sum.
         averaged = self.secured if self.secagg else len(kept)
         self.record.update({"train_loss": float(metrics["loss"]), "steps": self.config.train.steps_per_round,
@@ -258,6 +273,16 @@ class WireFedAvg(FedAvg):
             self.record.update(self.dp.release(averaged, len(self.sent_to)))
         self.record.update(sample_level_budget(self.client_budgets))
         return arrays, metrics
+
+    def _fixed_denominator_average(self, replies: list[Message]) -> ArrayRecord:
+        """The round's start plus the sum of its updates over the expected cohort."""
+        start = numpy_tensors(self.round_start)
+        total = {name: torch.zeros_like(value) for name, value in start.items()}
+        for reply in replies:
+            for name, value in numpy_tensors(reply.content.array_records[protocol.ARRAYS]).items():
+                total[name] += value - start[name]
+        cohort = self.denominator(len(replies))
+        return numpy_record({name: start[name] + total[name] / cohort for name in start})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         # The global model the loop goes on with (after any wrapper's noise): what the round's

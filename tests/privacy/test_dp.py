@@ -8,9 +8,12 @@ from config import ConfigError, load_config
 from privacy.dp import DPOptions, Federation, PrivacyBudget, calibrate_noise_multiplier
 
 
-def library_epsilon(noise_multiplier, releases, delta):
+def library_epsilon(noise_multiplier, releases, delta, sampling_rate=1.0):
     accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), releases)
+    release = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling_rate < 1:
+        release = dp_accounting.PoissonSampledDpEvent(sampling_rate, release)
+    accountant.compose(release, releases)
     return accountant.get_epsilon(delta)
 
 
@@ -29,6 +32,14 @@ def library_epsilon(noise_multiplier, releases, delta):
     ({"privacy.dp.mode": "centrall", "privacy.dp.noise_multiplier": 1.0}, "privacy.dp.mode"),
     ({"privacy.dp.mode": "central", "privacy.dp.noise_multiplier": 1.0, "paradigm": "usl"}, "privacy.dp.mode"),
     ({"privacy.dp.clip": 0.0}, "privacy.dp.clip"),
+    ({"clients.sampling": "uniform"}, "clients.sampling"),
+    ({"clients.sampling": "poisson"}, "clients.fraction_train"),  # every client every round: nothing to sample
+    ({"clients.count": 10, "data.test_limit": 10, "clients.fraction_train": 0.25, "clients.sampling": "poisson"},
+     "clients.fraction_train"),  # 2.5 clients expected
+    ({"clients.count": 10, "data.test_limit": 10, "clients.fraction_train": 0.5, "clients.sampling": "poisson",
+      "privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 1.0, "privacy.dp.delta": 1e-3}, "clients.sampling"),
+    ({"clients.count": 10, "data.test_limit": 10, "clients.fraction_train": 0.5, "clients.sampling": "poisson",
+      "paradigm": "usl"}, "clients.sampling"),
 ])
 def test_bad_dp_settings_are_refused_naming_the_key_before_any_model_loads(overrides, key, run_config):
     raw = run_config(**{"paradigm": "fl", **overrides})
@@ -65,3 +76,18 @@ def test_a_round_averaged_over_fewer_clients_spends_more():
     options = DPOptions(mode="central", noise_multiplier=2.0)
     budget = PrivacyBudget(options, Federation(clients=4, sampled=4, rounds=1))
     assert budget.release(3, 4)["dp_epsilon"] == pytest.approx(library_epsilon(2.0 * 3 / 4, 1, 1e-5))
+
+
+def test_poisson_sampling_is_amplified_by_the_library_s_accountant():
+    """Each client in a round with probability 1/10: the calibrated noise meets the target as
+    dp-accounting's Poisson-subsampled Gaussian, and is less than unsampled rounds need; a fault
+    changes nothing (the round's denominator is the expected cohort)."""
+    z = calibrate_noise_multiplier(4.0, 1e-5, 20, sampling_rate=0.1)
+    assert library_epsilon(z, 20, 1e-5, 0.1) == pytest.approx(4.0, abs=1e-3)
+    assert z < calibrate_noise_multiplier(4.0, 1e-5, 20)
+    federation = Federation(clients=100, sampled=10, rounds=20, poisson=True)
+    budget = PrivacyBudget(DPOptions(mode="central", target_epsilon=4.0), federation)
+    assert budget.noise_multiplier == pytest.approx(z)
+    for kept in [10] * 19 + [7]:
+        spent = budget.release(kept, 10)["dp_epsilon"]
+    assert spent == pytest.approx(4.0, abs=1e-3)
