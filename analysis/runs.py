@@ -38,7 +38,7 @@ from sklearn.metrics import roc_curve
 from analysis.provenance import DIRTY, is_dirty
 from attacks.context import ATTACK_FOLDER
 from config import threats
-from config.schema import PruningShared
+from config.schema import ClientsConfig, PruningShared
 from privacy import defense_class, options_from, parse_defense_names
 from pruning import POLICIES
 from training.protocol import ARCHIVE_MARKER, OUTCOMES_FILE, SWEEP_STAMP
@@ -48,6 +48,7 @@ SETTINGS = {
     "paradigm": "paradigm", "profile": "model.profile", "dataset": "data.dataset", "policy_name": "pruning.policy",
     "ratio": "pruning.ratio", "threat": "threat.model", "clients": "clients.count", "rounds_planned": "train.rounds",
     "steps_per_round": "train.steps_per_round", "batch_size": "train.batch_size", "seed": "model.seed",
+    "sampling": "clients.sampling", "update_canaries": "threat.update_canaries",
 }
 # The config key naming a run's defenses at the cut, in order ("noise,pripert"; "" or "none": none);
 # each one's options are the keys under privacy.<name>.
@@ -152,6 +153,14 @@ def privacy_setting(config: dict[str, Any]) -> str:
     return "+".join(parts) if parts else NO_DEFENSE
 
 
+def cohort(config: dict[str, Any]) -> int:
+    """The clients an FL round averages (under poisson sampling: the expected cohort)."""
+    clients = ClientsConfig(count=config.get("clients.count", ClientsConfig.count),
+                            fraction_train=config.get("clients.fraction_train", ClientsConfig.fraction_train),
+                            sampling=config.get("clients.sampling", ClientsConfig.sampling))
+    return clients.sampled
+
+
 def defense_series(config: dict[str, Any]) -> tuple[str, float | None]:
     """A single-defense run's series (its setting without its strength option) and that
     strength: the frontier draws one line per series along the strength."""
@@ -197,6 +206,7 @@ def _read_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[
         "defenses": "+".join(defenses) if defenses else NO_DEFENSE, "defense_setting": defense_setting(config),
         **dict(zip(("defense_series", "defense_strength"), defense_series(config), strict=True)),
         "privacy_setting": privacy_setting(config), "hijacked": config.get("threat.model") in HIJACKING_THREATS,
+        "cohort": cohort(config),
         "accountant_epsilon": (status.get("privacy_spent") or {}).get("dp_epsilon"),
         "state": status.get("state"), "error": status.get("error", ""), "rounds_done": len(rounds),
         "config": config,

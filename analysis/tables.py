@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.runs import NO_DEFENSE, Results
+from analysis.stats import bootstrap
 from attacks.base import ATTACKS, IMAGE, MEMBERSHIP
 from attacks.metrics import PURI_LAMBDA, puri
 from config import threats
@@ -118,6 +119,36 @@ def federated_privacy_table(results: Results) -> pd.DataFrame:
             row.update({f"{result['attack']}_{m}": result[m] for m in AUDIT_METRICS if m in result and pd.notna(result[m])})
         rows.append(row)
     return pd.DataFrame(rows).sort_values(keys).reset_index(drop=True)
+
+
+# What a point of the accuracy-against-cohort curve is: its federation, its cohort, its guarantee
+# and whether the server audited it with update canaries (their cost is measured beside).
+COHORT_KEYS = ["clients", "sampling", "cohort", "privacy_setting", "update_canaries"]
+
+
+def cohort_curve(results: Results) -> pd.DataFrame:
+    """FL's accuracy against the clients a round averages, per federation and guarantee: accuracy
+    over every seed's test questions with its bootstrap interval (seeds, then questions) and n, the
+    accountant's epsilon, and the update audit's bound at each seed (mean and max)."""
+    runs = results.finished()
+    if runs.empty or "cohort" not in runs:
+        return pd.DataFrame()
+    runs = runs[runs["paradigm"] == "fl"]
+    audits = rows_where(results.attacks, attack="update_audit")
+    rows = []
+    for values, group in runs.groupby(COHORT_KEYS, dropna=False):
+        scored = results.outcomes[results.outcomes["run"].isin(group["run"])] if not results.outcomes.empty else None
+        if scored is None or scored.empty:
+            continue
+        per_seed = [frame["score"].to_numpy(dtype=float) for _, frame in scored.groupby("seed")]
+        accuracy = bootstrap(per_seed)
+        audit = audits[audits["run"].isin(group["run"])]["audit_epsilon"] if not audits.empty else pd.Series(dtype=float)
+        rows.append({**dict(zip(COHORT_KEYS, values, strict=True)), "test_accuracy": accuracy.value,
+                     "accuracy_low": accuracy.low, "accuracy_high": accuracy.high, "seeds": accuracy.seeds,
+                     "questions": accuracy.items, "accountant_epsilon": group["accountant_epsilon"].mean(),
+                     "audit_epsilon": audit.mean() if len(audit) else None,
+                     "audit_epsilon_max": audit.max() if len(audit) else None, "audits": len(audit)})
+    return pd.DataFrame(rows).sort_values(COHORT_KEYS).reset_index(drop=True) if rows else pd.DataFrame()
 
 
 def audit_violations(table: pd.DataFrame) -> pd.DataFrame:

@@ -6,6 +6,7 @@
     qpriv-sweep run sims/sweeps/vision-edge.toml && python benchmarks/sweep_results.py vision-edge
     qpriv-sweep run sims/sweeps/federated-privacy.toml && python benchmarks/sweep_results.py federated-privacy
     qpriv-sweep run sims/sweeps/dpmtv.toml && python benchmarks/sweep_results.py dpmtv
+    qpriv-sweep run sims/sweeps/cross-device.toml && python benchmarks/sweep_results.py cross-device
     python benchmarks/sweep_results.py pruning-attacks --report      # re-render the markdown only
 
 Reads the sweep folder (--sweep; default ~/qpriv-sweeps/<name>, else the sweep's archive in
@@ -34,7 +35,7 @@ from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, wri
 
 # Sweeps whose runs join another's claims: pruning-mia measures membership through each policy.
 COMPANIONS = {"pruning-attacks": ("pruning-mia",)}
-SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv")
+SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "cross-device")
 COMMAND = "python benchmarks/sweep_results.py"
 
 
@@ -77,6 +78,11 @@ def measure(name: str, folder: Path, companions: tuple[Path, ...] = ()) -> dict[
     elif name == "federated-privacy":
         table = T.federated_privacy_table(results)
         tables["federated_privacy"], tables["audit_violations"] = records(table), records(T.audit_violations(table))
+    elif name == "cross-device":
+        curve = T.cohort_curve(results)
+        tables["cohort_curve"] = records(curve)
+        tables["audit_violations"] = records(curve[curve["audit_epsilon_max"] > curve["accountant_epsilon"]]) \
+            if not curve.empty else []
     elif name == "dpmtv":
         tables["mtv"], tables["mtv_claims"] = records(T.mtv_table(results)), records(dp_mtv.claims(results))
     else:
@@ -235,6 +241,8 @@ def render_report(data: dict[str, Any], folder: Path = RESULTS, name: str = "par
         lines += _federated_privacy_sections(tables)
     if "mtv" in tables:
         lines += _mtv_sections(tables)
+    if "cohort_curve" in tables:
+        lines += _cohort_sections(tables)
     return write_markdown(name, f"Sweep results: {data['sweep']}", "\n".join(lines), data["provenance"],
                           command=f"{COMMAND} {name.replace('_', '-')}", folder=folder)
 
@@ -323,6 +331,29 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
     violations = tables["audit_violations"]
     lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
         " — " + ", ".join(f"{r['paradigm'].upper()} {r['policy']} {r['privacy_setting']}" for r in violations)
+        if violations else " (as it must be).")]
+    return lines
+
+
+def _cohort_sections(tables: dict[str, Any]) -> list[str]:
+    """DP-FedAvg's accuracy against the cohort, and each run's update audit beside its accountant."""
+    rows = tables["cohort_curve"]
+    lines = ["", "## DP-FedAvg against the cohort", "",
+             "Test accuracy over every seed's test questions (95% bootstrap interval: seeds, then questions); "
+             "cohort: the clients a round averages (poisson: the expected cohort, each client in by its own coin, "
+             "and the accountant amplifies by sampling; fixed: every client every round, no amplification). ε: the "
+             "accountant's after the last round; audit ε: the one-run lower bound at 95% from 1,000 update canaries "
+             "(mean and max over seeds; update_audit), which must never exceed it.", "",
+             markdown_table(["clients", "sampling", "cohort", "guarantee", "canaries", "test acc.", "95% interval", "n",
+                             "ε", "audit ε (mean)", "audit ε (max)"],
+                            [[r["clients"], r["sampling"], r["cohort"], r["privacy_setting"], r["update_canaries"],
+                              percent(r["test_accuracy"]),
+                              f"[{percent(r['accuracy_low'])}, {percent(r['accuracy_high'])}]",
+                              f"{r['seeds']} seeds × {r['questions']} questions", _f(r.get("accountant_epsilon"), ".2f"),
+                              _f(r.get("audit_epsilon"), ".2f"), _f(r.get("audit_epsilon_max"), ".2f")] for r in rows])]
+    violations = tables["audit_violations"]
+    lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
+        " — " + ", ".join(f"{r['clients']} clients, cohort {r['cohort']}, {r['privacy_setting']}" for r in violations)
         if violations else " (as it must be).")]
     return lines
 
