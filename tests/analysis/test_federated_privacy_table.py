@@ -40,3 +40,33 @@ def test_the_guarantee_is_named_by_mode_budget_and_secure_aggregation():
     assert runs.privacy_setting({"privacy.dp.mode": "sgd", "privacy.dp.target_epsilon": 4.0}) == "sgd(eps=4)"
     assert runs.privacy_setting({"privacy.dp.mode": "local", "privacy.dp.noise_multiplier": 1.5}) == "local(z=1.5)"
     assert runs.privacy_setting({"privacy.secagg.enabled": True}) == "secagg"
+
+
+def cohort_results() -> runs.Results:
+    """Two seeds of a poisson federation at cohorts 10 and 30 under central DP, each with its
+    questions' outcomes and its update audit."""
+    run_rows, outcome_rows, attack_rows_ = [], [], []
+    for cohort_, accuracy in ((10, 0.25), (30, 0.75)):
+        for seed in (0, 1):
+            name = f"xdev-{cohort_}-s{seed}"
+            run_rows.append({"run": name, "paradigm": "fl", "state": "finished", "clients": 200, "sampling": "poisson",
+                             "cohort": cohort_, "privacy_setting": "central(eps=8)", "update_canaries": 1000,
+                             "accountant_epsilon": 8.0, "seed": seed})
+            outcome_rows += [{"run": name, "seed": seed, "item": str(item), "score": float(item < 100 * accuracy)}
+                             for item in range(100)]
+            attack_rows_.append({"run": name, "attack": "update_audit", "audit_epsilon": 0.5 + seed})
+    return runs.Results(pd.DataFrame(run_rows), pd.DataFrame(), pd.DataFrame(attack_rows_), pd.DataFrame(outcome_rows),
+                        pd.DataFrame())
+
+
+def test_the_cohort_curve_has_each_cohort_s_accuracy_interval_and_audits():
+    curve = tables.cohort_curve(cohort_results()).set_index("cohort")
+    assert curve.loc[10, "test_accuracy"] == 0.25 and curve.loc[30, "test_accuracy"] == 0.75
+    assert curve.loc[10, "accuracy_low"] < 0.25 < curve.loc[10, "accuracy_high"] < curve.loc[30, "accuracy_low"]
+    assert curve.loc[30, "seeds"] == 2 and curve.loc[30, "questions"] == 100
+    assert curve.loc[30, "audit_epsilon"] == 1.0 and curve.loc[30, "audit_epsilon_max"] == 1.5
+
+
+def test_the_cohort_is_the_expected_one_under_poisson_sampling():
+    assert runs.cohort({"clients.count": 200, "clients.fraction_train": 0.15, "clients.sampling": "poisson"}) == 30
+    assert runs.cohort({"clients.count": 3}) == 3
