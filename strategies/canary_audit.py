@@ -6,8 +6,8 @@ FedAvg average them and adds the included canaries as clients of the round (each
 coordinate, n the clients averaged; a canary's norm is the clipping norm, so clipping would leave
 it as it is); the DP wrapper then noises the sum as it noises any round. Under poisson sampling
 (clients.sampling) n is the expected cohort and each canary joins a round by its own coin of the
-real clients' probability. So a canary is a client
-the mechanism protects like any other, which is what the audit must measure.
+real clients' probability. So a canary is a client the mechanism protects like any other, which
+is what the audit must measure.
 
 Each round, the global adapters before training and after aggregation (noise included) score
 the canaries (attacks.update_canaries.CanarySet); the scores so far are written to the run
@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
