@@ -33,6 +33,14 @@ class ReplayContext:
     partition: int = 0
 
 
+def accounted_epsilon(run: ReplayContext) -> dict[str, float]:
+    """{"accountant_epsilon": ε} as the run's status reports what its accountant spent; {} for a
+    run without one: what an audit's bound is read against."""
+    status = run.folder / "status.json"
+    spent = json.loads(status.read_text()).get("privacy_spent", {}) if status.exists() else {}
+    return {"accountant_epsilon": spent["dp_epsilon"]} if "dp_epsilon" in spent else {}
+
+
 def final_model(run: ReplayContext) -> nn.Module:
     """Client `run.partition`'s fine-tuned model after the last committed round: the server's
     adapters from its checkpoint, the client's from its private store. Query attacks get

@@ -26,7 +26,6 @@ from the run's status.
 """
 
 import copy
-import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from attacks.base import MEMBERSHIP, MODEL, QUERY, Attack, AttackResult, Truth, 
 from attacks.knowledge import AttackerKnowledge, TrainingRecipe
 from attacks.metrics import canary_audit, membership_metrics
 from attacks.recording import Recording
-from attacks.context import ReplayContext, final_model
+from attacks.context import ReplayContext, accounted_epsilon, final_model
 from pruning import VisualTokenSelector
 from training.selector import build_selector
 from vlm.lora import lora_parameters
@@ -216,9 +215,7 @@ class MIA(Attack):
             self.query_policy = run.config.pruning.policy
         if run.config.data.canaries:
             self.audit_delta = run.config.privacy.dp.delta
-            status = run.folder / "status.json"
-            spent = json.loads(status.read_text()).get("privacy_spent", {}) if status.exists() else {}
-            self.accounted = {"accountant_epsilon": spent["dp_epsilon"]} if "dp_epsilon" in spent else {}
+            self.accounted = accounted_epsilon(run)
 
     def run(self, recording: Recording | None, truth: Truth | None = None) -> AttackResult:
         """Query the target on the truth's members and non-members (the recording is not read:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from attacks.base import ACTIVE, MEMBERSHIP, MODEL, Attack, AttackResult, Truth, register_attack
-from attacks.context import ReplayContext
+from attacks.context import ReplayContext, accounted_epsilon
 from attacks.metrics import one_run_audit
 from attacks.recording import Recording
 from vqa import VQASample
@@ -139,9 +139,7 @@ class UpdateCanaryAudit(Attack):
             raise FileNotFoundError(f"{run.folder} has no committed round: the run never finished one")
         self.scores, self.included = read_scores(run.folder, json.loads(committed.read_text())["round"])
         self.delta = run.config.privacy.dp.delta
-        status = run.folder / "status.json"
-        spent = json.loads(status.read_text()).get("privacy_spent", {}) if status.exists() else {}
-        self.accounted = {"accountant_epsilon": spent["dp_epsilon"]} if "dp_epsilon" in spent else {}
+        self.accounted = accounted_epsilon(run)
 
     def run(self, recording: Recording | None, truth: Truth | None = None) -> AttackResult:
         if not hasattr(self, "scores"):
