@@ -80,11 +80,6 @@ class CanarySet:
         change = self._flat(after) - self._flat(before)
         self.round_scores[round_] = self.signs * change[self.coordinates]
 
-    def scores(self, through: int | None = None) -> np.ndarray:
-        """Each canary's score: its changes summed over the rounds (up to `through`)."""
-        rounds = [r for r in self.round_scores if through is None or r <= through]
-        return sum((self.round_scores[r] for r in rounds), np.zeros(self.count))
-
     def to_json(self) -> dict[str, Any]:
         return {"coordinates": self.coordinates.tolist(), "signs": self.signs.tolist(),
                 "included": self.included.tolist(),
