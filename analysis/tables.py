@@ -129,7 +129,8 @@ COHORT_KEYS = ["clients", "sampling", "cohort", "privacy_setting", "update_canar
 def cohort_curve(results: Results) -> pd.DataFrame:
     """FL's accuracy against the clients a round averages, per federation and guarantee: accuracy
     over every seed's test questions with its bootstrap interval (seeds, then questions) and n, the
-    accountant's epsilon, and the update audit's bound at each seed (mean and max)."""
+    accountant's epsilon, the update audit's bound at each seed (mean and max), and what a training
+    round cost (its median wall seconds, the rounds that also evaluated left out)."""
     runs = results.finished()
     if runs.empty or "cohort" not in runs:
         return pd.DataFrame()
@@ -143,11 +144,14 @@ def cohort_curve(results: Results) -> pd.DataFrame:
         per_seed = [frame["score"].to_numpy(dtype=float) for _, frame in scored.groupby("seed")]
         accuracy = bootstrap(per_seed)
         audit = audits[audits["run"].isin(group["run"])]["audit_epsilon"] if not audits.empty else pd.Series(dtype=float)
+        rounds = results.rounds[results.rounds["run"].isin(group["run"])] if not results.rounds.empty else results.rounds
+        training = rounds[rounds["test_accuracy"].isna()] if "test_accuracy" in rounds else rounds
         rows.append({**dict(zip(COHORT_KEYS, values, strict=True)), "test_accuracy": accuracy.value,
                      "accuracy_low": accuracy.low, "accuracy_high": accuracy.high, "seeds": accuracy.seeds,
                      "questions": accuracy.items, "accountant_epsilon": group["accountant_epsilon"].mean(),
                      "audit_epsilon": audit.mean() if len(audit) else None,
-                     "audit_epsilon_max": audit.max() if len(audit) else None, "audits": len(audit)})
+                     "audit_epsilon_max": audit.max() if len(audit) else None, "audits": len(audit),
+                     "round_s": training["wall_s"].median() if "wall_s" in training and len(training) else None})
     return pd.DataFrame(rows).sort_values(COHORT_KEYS).reset_index(drop=True) if rows else pd.DataFrame()
 
 

@@ -343,14 +343,16 @@ def _cohort_sections(tables: dict[str, Any]) -> list[str]:
              "cohort: the clients a round averages (poisson: the expected cohort, each client in by its own coin, "
              "and the accountant amplifies by sampling; fixed: every client every round, no amplification). ε: the "
              "accountant's after the last round; audit ε: the one-run lower bound at 95% from 1,000 update canaries "
-             "(mean and max over seeds; update_audit), which must never exceed it.", "",
+             "(mean and max over seeds; update_audit), which must never exceed it. Round s: the median wall seconds of "
+             "a training round (single-threaded, beside the sweep's other processes; see the load above).", "",
              markdown_table(["clients", "sampling", "cohort", "guarantee", "canaries", "test acc.", "95% interval", "n",
-                             "ε", "audit ε (mean)", "audit ε (max)"],
+                             "ε", "audit ε (mean)", "audit ε (max)", "round s"],
                             [[r["clients"], r["sampling"], r["cohort"], r["privacy_setting"], r["update_canaries"],
                               percent(r["test_accuracy"]),
                               f"[{percent(r['accuracy_low'])}, {percent(r['accuracy_high'])}]",
                               f"{r['seeds']} seeds × {r['questions']} questions", _f(r.get("accountant_epsilon"), ".2f"),
-                              _f(r.get("audit_epsilon"), ".2f"), _f(r.get("audit_epsilon_max"), ".2f")] for r in rows])]
+                              _f(r.get("audit_epsilon"), ".2f"), _f(r.get("audit_epsilon_max"), ".2f"),
+                              _f(r.get("round_s"), ".0f")] for r in rows])]
     violations = tables["audit_violations"]
     lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
         " — " + ", ".join(f"{r['clients']} clients, cohort {r['cohort']}, {r['privacy_setting']}" for r in violations)

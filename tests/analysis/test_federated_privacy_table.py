@@ -55,8 +55,10 @@ def cohort_results() -> runs.Results:
             outcome_rows += [{"run": name, "seed": seed, "item": str(item), "score": float(item < 100 * accuracy)}
                              for item in range(100)]
             attack_rows_.append({"run": name, "attack": "update_audit", "audit_epsilon": 0.5 + seed})
-    return runs.Results(pd.DataFrame(run_rows), pd.DataFrame(), pd.DataFrame(attack_rows_), pd.DataFrame(outcome_rows),
-                        pd.DataFrame())
+    round_rows = [{"run": r["run"], "round": 1, "wall_s": 2.0 * r["cohort"], "test_accuracy": None} for r in run_rows] + \
+        [{"run": r["run"], "round": 2, "wall_s": 500.0, "test_accuracy": 0.5} for r in run_rows]
+    return runs.Results(pd.DataFrame(run_rows), pd.DataFrame(round_rows), pd.DataFrame(attack_rows_),
+                        pd.DataFrame(outcome_rows), pd.DataFrame())
 
 
 def test_the_cohort_curve_has_each_cohort_s_accuracy_interval_and_audits():
@@ -65,6 +67,8 @@ def test_the_cohort_curve_has_each_cohort_s_accuracy_interval_and_audits():
     assert curve.loc[10, "accuracy_low"] < 0.25 < curve.loc[10, "accuracy_high"] < curve.loc[30, "accuracy_low"]
     assert curve.loc[30, "seeds"] == 2 and curve.loc[30, "questions"] == 100
     assert curve.loc[30, "audit_epsilon"] == 1.0 and curve.loc[30, "audit_epsilon_max"] == 1.5
+    # A training round's cost, the evaluating round left out.
+    assert curve.loc[10, "round_s"] == 20.0 and curve.loc[30, "round_s"] == 60.0
 
 
 def test_the_cohort_is_the_expected_one_under_poisson_sampling():
