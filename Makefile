@@ -22,7 +22,7 @@ mini-targets: setup
 # Every sweep behind a results/*.md (benchmarks/sweep_results.py's SWEEPS), archived as it goes, and the
 # mini builds they run on. sims/sweeps/memorisation.toml feeds benchmarks/testbed_memorisation.py;
 # smoke.toml is the tests'; pruning-mia.toml joins pruning-attacks' claims (its membership).
-SWEEPS = paradigms pruning-attacks defenses vision-edge federated-privacy dpmtv
+SWEEPS = paradigms pruning-attacks defenses vision-edge federated-privacy dpmtv cross-device
 
 sweeps: setup
 	.venv/bin/qpriv-mini build

@@ -18,25 +18,24 @@ its committed rounds. Everything else is the wrapped strategy's.
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import FedAvg, Strategy
 
 from attacks.update_canaries import UPDATE_CANARIES_FILE, CanarySet
 from config import SimConfig
 from strategies.callbacks import write_json_atomically
 from wire import numpy_record, numpy_tensors
 
-if TYPE_CHECKING:
-    from strategies.fl import WireFedAvg
-
 
 class CanaryAudit(Strategy):
-    def __init__(self, config: SimConfig, strategy: "WireFedAvg", shapes: dict[str, tuple[int, ...]], folder: Path,
+    """Canary clients around `strategy`, the run's FedAvg (strategies.fl.WireFedAvg, whose round
+    numbering, sampling and denominator they follow)."""
+
+    def __init__(self, config: SimConfig, strategy: FedAvg, shapes: dict[str, tuple[int, ...]], folder: Path,
                  committed_round: int) -> None:
         self.strategy, self.folder = strategy, folder
         self.norm, self.seed = config.privacy.dp.clip, config.privacy.seed
