@@ -26,6 +26,7 @@ What is accounted, and why that way:
   the update noise is z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2), and z is what the accountant composes.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -192,6 +193,9 @@ def calibrate(make_accountant: Callable[[], dp_accounting.PrivacyAccountant], ev
         make_accountant, event, target_epsilon, delta, dp_accounting.ExplicitBracketInterval(low, high), tol=1e-4))
 
 
+# Cached: a sweep validates every point (seeds share a budget) and a run validates again before it
+# starts, and one calibration costs seconds, tens of seconds at small Poisson sampling rates.
+@functools.lru_cache(maxsize=256)
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int, sampling_rate: float = 1.0) -> float:
     """The smallest z whose `rounds` Gaussian releases, each Poisson-subsampled at `sampling_rate`
     (1: no sampling), spend at most (target_epsilon, delta), by dp-accounting's calibration over its

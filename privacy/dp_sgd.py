@@ -22,6 +22,7 @@ clipped sum by up to 2·clip, so the accountant composes noise multiplier z/2. A
 depends only on how many steps it took, so it is recomputed from the step count, never stored.
 """
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -57,6 +58,15 @@ def _event(z: float, samples: int, batch: int, steps: int) -> dp_accounting.DpEv
     )
 
 
+# Cached for the reason privacy.dp.calibrate_noise_multiplier is: every point of a sweep, then its run.
+@functools.lru_cache(maxsize=256)
+def calibrate_sample_noise(target_epsilon: float, delta: float, samples: int, batch: int, steps: int) -> float:
+    """The smallest z whose `steps` DP-SGD steps (batches of `batch` drawn without replacement from a
+    client's `samples`) spend at most (target_epsilon, delta) under replace-one adjacency."""
+    return calibrate(_accountant, lambda z: _event(z, samples, batch, steps), target_epsilon, delta,
+                     _CALIBRATION_RANGE, f"{steps} steps")
+
+
 class SampleLevelDP:
     """A client's DP-SGD: its noise multiplier (given, or calibrated to the target over the
     run's steps) and its budget after a number of steps."""
@@ -69,11 +79,8 @@ class SampleLevelDP:
             raise OptionError("mode", options.mode, f"off with train.batch_size={batch} above a client's {samples} samples")
         self.options, self.samples, self.batch = options, samples, batch
         self.noise_multiplier = 0.0 if options.clip_only else (
-            options.noise_multiplier or self._calibrate(options.target_epsilon, total_steps))
+            options.noise_multiplier or calibrate_sample_noise(options.target_epsilon, options.delta, samples, batch, total_steps))
 
-    def _calibrate(self, target: float, steps: int) -> float:
-        return calibrate(_accountant, lambda z: _event(z, self.samples, self.batch, steps), target, self.options.delta,
-                         _CALIBRATION_RANGE, f"{steps} steps")
 
     def spent(self, steps: int) -> dict[str, float]:
         """The client's budget after `steps` DP-SGD steps, by Flower's RDP accountant (the clip-only
