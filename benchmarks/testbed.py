@@ -76,8 +76,8 @@ TARGET_RELEVANCE_RECALL = 0.80
 TARGET_SENSITIVITY_AUROC = 0.95
 TARGET_LARGEST_RATIO_SHARE = 0.60  # no oracle ratio may hold more of the samples
 # The memorisation points' columns first in this order (benchmarks/testbed_memorisation.py's rows).
-MEMORISATION_COLUMNS = ("point", "train_rows", "epochs", "test_accuracy", "mia_auc", "mia_auc_low", "mia_auc_high",
-                        "members", "non_members")
+MEMORISATION_COLUMNS = ("point", "seed", "train_rows", "epochs", "test_accuracy", "mia_auc", "mia_auc_low",
+                        "mia_auc_high", "members", "non_members")
 
 
 # --- statistics -------------------------------------------------------------------------------
@@ -546,7 +546,9 @@ def measure_scorer(bed: Testbed, folder: Path) -> dict[str, Any]:
 # --- part: memorisation -----------------------------------------------------------------------------------
 
 
-def measure_memorisation_part(args: argparse.Namespace) -> dict[str, Any]:
+def measure_memorisation_part(args: argparse.Namespace, earlier: dict[str, Any]) -> dict[str, Any]:
+    """The other helper's measurement at the preset's own seeds, combined with the `earlier` one (the
+    other seeds it measured are kept)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import testbed_memorisation  # noqa: PLC0415 - another helper's module, imported only when asked for
 
@@ -554,7 +556,8 @@ def measure_memorisation_part(args: argparse.Namespace) -> dict[str, Any]:
     # folder, so the other helper's finished runs are reused rather than measured again under another name.
     offered = {"threads": args.threads, "progress": not args.no_progress, "allow_dirty": args.allow_dirty}
     accepted = inspect.signature(testbed_memorisation.measure_memorisation).parameters
-    return testbed_memorisation.measure_memorisation(**{k: v for k, v in offered.items() if k in accepted})
+    result = testbed_memorisation.measure_memorisation(**{k: v for k, v in offered.items() if k in accepted})
+    return testbed_memorisation.combine(earlier, result)
 
 
 # --- driver --------------------------------------------------------------------------------------------------
@@ -667,8 +670,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured(name, part_key(args, bed, name, digest), lambda folder=folder: measure_scorer(bed, folder))
     if "memorisation" in args.parts:
         clock, load = time.perf_counter(), os.getloadavg()
-        memorisation = measure_memorisation_part(args)
-        results["memorisation"] = memorisation
+        results["memorisation"] = measure_memorisation_part(args, results.get("memorisation", {}))
         results["memorisation_run"] = {"seconds": round(time.perf_counter() - clock, 1),
                                        "load_average_before": list(load), "load_average_after": list(os.getloadavg())}
         save()
@@ -870,7 +872,7 @@ def memorisation_section(results: dict[str, Any]) -> str:
     data = results.get("memorisation")
     if not data:
         return "\n".join([title, "", "Not measured (`--parts memorisation`, benchmarks/testbed_memorisation.py)."])
-    points_list = data.get("points", []) if isinstance(data, dict) else list(data)
+    points_list = data.get("points", [])
     columns = [key for key in MEMORISATION_COLUMNS if any(key in point for point in points_list)]
     for point in points_list:
         columns += [key for key in point if key not in columns and not isinstance(point[key], dict | list)]
@@ -878,25 +880,32 @@ def memorisation_section(results: dict[str, Any]) -> str:
     def cell(value: Any) -> Any:
         return f"{value:.3f}" if isinstance(value, float) else value
 
-    lines = [title, ""]
-    if isinstance(data, dict) and data.get("target_auc") is not None:
-        final = [p for p in points_list if p.get("epochs")]
-        best = next((p for p in final if p.get("mia_auc") == data.get("best_auc")), {})
-        best_interval = (f"[{best['mia_auc_low']:.3f}, {best['mia_auc_high']:.3f}] ({best['point']}, "
-                         f"{best['epochs']:g} epochs)" if "mia_auc_low" in best else "—")
-        lines += [markdown_table(
-            ["measure", "target", "measured", "95% interval", "n", "result"],
-            [["best loss-MIA AUC of a fine-tuned model that beats the question-only baseline "
-              f"({pct(data.get('question_only_accuracy'))})", f"≥ {data['target_auc']:g}",
-              cell(data.get("best_auc")), best_interval,
-              f"{best['members']} members, {best['non_members']} non-members" if "members" in best else "—",
-              verdict(data.get("reached_target"))]]), ""]
-    extra = ({k: v for k, v in data.items() if k not in ("points", "target_auc", "best_auc", "reached_target")
-              and not isinstance(v, dict | list)} if isinstance(data, dict) else {})
+    across = data.get("across_seeds", [])
+    best = next((entry for entry in across if entry["point"] == data.get("best_point")), None)
+    headline = ["mean loss-MIA AUC over seeds at the last epochs, best point whose test accuracy beats the "
+                f"question-only baseline ({pct(data.get('question_only_accuracy'))})", f"≥ {data['target_auc']:g}"]
+    if best:
+        headline += [cell(best["mia_auc"]), f"[{best['mia_auc_low']:.3f}, {best['mia_auc_high']:.3f}] ({best['point']}, "
+                     f"{best['epochs']:g} epochs)", best["n"], verdict(data.get("reached_target"))]
+    else:
+        headline += ["—", "—", "—", verdict(False)]
+    lines = [title, "", markdown_table(["measure", "target", "measured", "95% interval", "n", "result"], [headline]), "",
+             "Each point at the most epochs each seed ran (interval: a bootstrap over the seeds; over the scored rows "
+             "for one seed):", "",
+             markdown_table(["point", "train_rows", "epochs", "seeds", "AUC by seed", "mean AUC", "95% interval",
+                             "test accuracy", "question-only", "n"],
+                            [[entry["point"], entry["train_rows"], f"{entry['epochs']:g}",
+                              ", ".join(map(str, entry["seeds"])), ", ".join(f"{auc:.3f}" for auc in entry["mia_auc_by_seed"]),
+                              cell(entry["mia_auc"]), f"[{entry['mia_auc_low']:.3f}, {entry['mia_auc_high']:.3f}]",
+                              pct(entry["test_accuracy"]), pct(entry["question_only_accuracy"]), entry["n"]]
+                             for entry in across]), ""]
+    extra = {k: v for k, v in data.items() if k not in ("points", "target_auc", "best_auc", "reached_target")
+             and not isinstance(v, dict | list)}
     if extra:
         lines += ["; ".join(f"{k}: {cell(v)}" for k, v in extra.items()), ""]
-    lines.append(markdown_table(columns, [[cell(point.get(c)) for c in columns] for point in points_list])
-                 if points_list else "No points recorded.")
+    lines += ["Every measurement (the curve):", "",
+              markdown_table(columns, [[cell(point.get(c)) for c in columns] for point in points_list])
+              if points_list else "No points recorded."]
     return "\n".join(lines)
 
 

@@ -296,8 +296,11 @@ def _attack_plans(raw: Mapping[str, Any], known_keys: set[str]) -> list[AttackPl
     return plans
 
 
-def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path | None = None) -> Sweep:
-    """The sweep a file describes, every point validated; raises SweepError before any run."""
+def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path | None = None,
+               overrides: Mapping[str, Any] | None = None) -> Sweep:
+    """The sweep a file describes, every point validated; raises SweepError before any run.
+    `overrides` are run-config keys set on every point over what the file gives it (a benchmark
+    running the file's points at another seed, in a folder of their own)."""
     path = Path(path)
     raw = read_sweep_file(path)
     _unknown(str(path), raw, SECTIONS)
@@ -338,22 +341,22 @@ def load_sweep(path: str | Path, *, runner: str | None = None, out: str | Path |
         _unknown(f"grid {part!r}", grid, GRID_KEYS)
         part_fixed = _table(f"grid {part!r}: fixed", grid.get("fixed"))
         for combination, seed in itertools.product(itertools.product(*_axes(part, grid)), seeds or [None]):
-            varied = {k: v for overrides, _ in combination for k, v in overrides.items()}
+            varied = {k: v for axis, _ in combination for k, v in axis.items()}
             name = "-".join([_slug(part), *(fragment for _, fragment in combination),
                              *([] if seed is None else [f"s{seed}"])])
-            overrides = {**fixed, **part_fixed, **varied}
+            point_overrides = {**fixed, **part_fixed, **varied, **(overrides or {})}
             if seed is not None:
-                fixing = sorted(set(overrides) & set(SEED_KEYS))
+                fixing = sorted(set(point_overrides) & set(SEED_KEYS))
                 if fixing:
                     raise SweepError(f"grid {part!r}: {fixing} set while sweep.seeds sets every seed of a run; "
                                      "drop one of them")
-                overrides.update(dict.fromkeys(SEED_KEYS, seed))
-            overrides.update({"output.root": str(folder / "runs"), "output.name": name})
-            if dtp and overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
-                overrides.setdefault("pruning.artifacts", str(_dtp_for(name, dtp, overrides)))
-            if overrides.get(EDGE_ARTIFACT) in edges:
-                overrides[EDGE_ARTIFACT] = str(folder / "positionless" / overrides[EDGE_ARTIFACT])
-            points.append(Point(name, part, overrides, _point_config(name, sim, overrides, waiting)))
+                point_overrides.update(dict.fromkeys(SEED_KEYS, seed))
+            point_overrides.update({"output.root": str(folder / "runs"), "output.name": name})
+            if dtp and point_overrides.get("pruning.policy", NO_PRUNING) != NO_PRUNING:
+                point_overrides.setdefault("pruning.artifacts", str(_dtp_for(name, dtp, point_overrides)))
+            if point_overrides.get(EDGE_ARTIFACT) in edges:
+                point_overrides[EDGE_ARTIFACT] = str(folder / "positionless" / point_overrides[EDGE_ARTIFACT])
+            points.append(Point(name, part, point_overrides, _point_config(name, sim, point_overrides, waiting)))
     names = [p.name for p in points]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:

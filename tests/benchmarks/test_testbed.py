@@ -147,11 +147,17 @@ def hand_made_results() -> dict:
                                   "mark_patches_per_image": [4],
                                   "rows": {"a_mark": probe, "b_outside": outside, "control_cut": control}}},
         },
-        "memorisation": {"target_auc": 0.9, "best_auc": 0.74, "reached_target": False,
+        "memorisation": {"target_auc": 0.9, "best_point": "rows-100", "best_auc": 0.74, "reached_target": False,
                          "question_only_accuracy": 0.45, "points": [
-            {"train_rows": 500, "epochs": 1, "test_accuracy": 0.81, "mia_auc": 0.52, "n": 1000},
-            {"point": "rows-100", "train_rows": 100, "epochs": 8, "test_accuracy": 0.6, "mia_auc": 0.74,
-             "mia_auc_low": 0.68, "mia_auc_high": 0.8, "members": 100, "non_members": 100, "n": 200},
+            {"point": "rows-500", "seed": 0, "train_rows": 500, "epochs": 1, "test_accuracy": 0.81, "mia_auc": 0.52},
+            {"point": "rows-100", "seed": 0, "train_rows": 100, "epochs": 8, "test_accuracy": 0.6, "mia_auc": 0.70,
+             "mia_auc_low": 0.62, "mia_auc_high": 0.78, "members": 100, "non_members": 100},
+            {"point": "rows-100", "seed": 1, "train_rows": 100, "epochs": 8, "test_accuracy": 0.62, "mia_auc": 0.78,
+             "mia_auc_low": 0.7, "mia_auc_high": 0.86, "members": 100, "non_members": 100},
+        ], "across_seeds": [
+            {"point": "rows-100", "train_rows": 100, "epochs": 8.0, "seeds": [0, 1], "mia_auc_by_seed": [0.70, 0.78],
+             "mia_auc": 0.74, "mia_auc_low": 0.70, "mia_auc_high": 0.78, "test_accuracy": 0.61,
+             "question_only_accuracy": 0.45, "n": "2 seeds × 100 members a side"},
         ]},
     }
 
@@ -186,10 +192,11 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     assert any(line.startswith(f"{scorer} student ρ̂ against oracle ρ* (held out)") and "(guessing the mean: 0.250); "
                "Pearson r 0.40 | — | 0.200 | — | 10 | — |" in line for line in lines)
     # The memorisation points come from the other helper's dict as they are.
-    assert any(line.startswith("| best loss-MIA AUC") and "| ≥ 0.9 | 0.740 | [0.680, 0.800] (rows-100, 8 epochs) | "
-               "100 members, 100 non-members | **FAIL** |" in line for line in lines)
-    assert "| point | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | members | non_members | n |" in lines
-    assert "| rows-100 | 100 | 8 | 0.600 | 0.740 | 0.680 | 0.800 | 100 | 100 | 200 |" in lines
+    assert any(line.startswith("| mean loss-MIA AUC over seeds") and "| ≥ 0.9 | 0.740 | [0.700, 0.780] (rows-100, 8 epochs) | "
+               "2 seeds × 100 members a side | **FAIL** |" in line for line in lines)
+    assert "| rows-100 | 100 | 8 | 0, 1 | 0.700, 0.780 | 0.740 | [0.700, 0.780] | 61.0% | 45.0% | 2 seeds × 100 members a side |" in lines
+    assert "| point | seed | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | members | non_members |" in lines
+    assert "| rows-100 | 1 | 100 | 8 | 0.620 | 0.780 | 0.700 | 0.860 | 100 | 100 |" in lines
     assert "| accuracy | 12 | 1.00 | 2.00 |" in lines
 
 

@@ -157,16 +157,79 @@ def test_the_curve_on_a_tiny_stand_in_records_each_point_at_each_epoch(tmp_path)
     assert 0.0 <= last["train_accuracy"] <= 1.0
     assert 0.0 <= result["question_only_accuracy"] <= 1.0
     assert result["config"]["model.profile"] == "tiny" and result["config"]["clients.count"] == 1
-    assert result["config"]["points"]["memorisation-rows-8"] == {"data.train_limit": 8, "train.steps_per_round": 2,
-                                                                 "train.rounds": 2}
+    assert result["config"]["points"]["memorisation-rows-8"] == {"data.train_limit": 8, "train.batch_size": 4,
+                                                                 "train.steps_per_round": 2, "train.rounds": 2}
+    assert {row["seed"] for row in rows} == {0}
+    assert [(e["point"], e["seeds"], e["epochs"]) for e in result["across_seeds"]] == [
+        ("memorisation-rows-4", [0], 4.0), ("memorisation-rows-8", [0], 2.0)]
     json.dumps(result)  # what --write stores
     # The last epochs' result is where the sweep finds it: `qpriv-sweep run` on the folder replays nothing.
     sweep = load_sweep(preset, out=out)
     for point in sweep.points:
         assert run_state(point)["state"] == "finished"
         assert attack_done(point, "mia_loss")
-    # Measured again: rounds the runs are past are skipped, the last one measured again.
+    # Measured again: a round the run is past comes back as first recorded, the last one is measured again.
     again = M.measure_memorisation(preset, out=out, fractions=(0.5,), processes=1, evaluate=False, progress=False,
                                    points=["*rows-8"])
-    assert [(r["point"], r["rounds"]) for r in again["points"]] == [("memorisation-rows-8", 0), ("memorisation-rows-8", 2)]
+    assert [(r["point"], r["rounds"]) for r in again["points"]] == [("memorisation-rows-8", r) for r in (0, 1, 2)]
     assert again["runs"][0]["skipped_rounds"] == [1]
+    assert again["points"][1] == eight[1]
+    # At another seed: its own sweep folder, its own data and adapters.
+    other = M.measure_memorisation(preset, out=out, seeds=[3], fractions=(), processes=1, evaluate=False,
+                                   progress=False, points=["*rows-4"])
+    assert [(r["seed"], r["rounds"]) for r in other["points"]] == [(3, 0), (3, 4)]
+    assert (tmp_path / "sweep-seed3" / "runs" / "memorisation-rows-4" / "status.json").is_file()
+    assert other["question_only_by_seed"].keys() == {"3"}
+    with pytest.raises(ValueError, match="seeds"):
+        M.measure_memorisation(preset, out=out, seeds=[], progress=False)
+
+
+def _row(point, seed, epochs, auc, accuracy=0.7, members=16):
+    return {"point": point, "seed": seed, "train_rows": members, "epochs": epochs, "mia_auc": auc,
+            "mia_auc_low": auc - 0.1, "mia_auc_high": min(1.0, auc + 0.1), "test_accuracy": accuracy,
+            "members": members, "non_members": members}
+
+
+def test_the_acceptance_reads_the_mean_over_seeds_at_each_points_last_epochs():
+    rows = [_row("rows-16", seed, 0.0, 0.5) for seed in (0, 1, 2)]
+    # Seed 2 memorises less: rows-16's best seed alone passes, its mean over seeds does not.
+    rows += [_row("rows-16", 0, 100.0, 0.99), _row("rows-16", 0, 400.0, 0.95), _row("rows-16", 1, 400.0, 0.93),
+             _row("rows-16", 2, 400.0, 0.79)]
+    summary = M.summarise(rows, {0: 0.35, 1: 0.36, 2: 0.37})
+    (entry,) = summary["across_seeds"]
+    assert entry["seeds"] == [0, 1, 2] and entry["epochs"] == 400.0
+    assert entry["mia_auc_by_seed"] == [0.95, 0.93, 0.79]
+    assert entry["mia_auc"] == pytest.approx(0.89)
+    assert 0.79 <= entry["mia_auc_low"] < entry["mia_auc"] < entry["mia_auc_high"] <= 0.95
+    assert entry["question_only_accuracy"] == pytest.approx(0.36) and entry["n"] == "3 seeds × 16 members a side"
+    assert not summary["reached_target"] and summary["best_point"] == "rows-16"
+    # rows-8 clears the target on the mean, but a point that answers no better than the baseline is no candidate.
+    rows += [_row("rows-8", seed, 400.0, auc, members=8) for seed, auc in ((0, 0.97), (1, 0.95), (2, 0.91))]
+    rows += [_row("rows-4", seed, 400.0, 1.0, accuracy=0.3, members=4) for seed in (0, 1, 2)]
+    summary = M.summarise(rows, {0: 0.35, 1: 0.36, 2: 0.37})
+    assert summary["reached_target"] and summary["best_point"] == "rows-8"
+    assert summary["best_auc"] == pytest.approx(0.9433, abs=1e-4)
+    # One seed: the interval is the row's own (over the scored rows), not a bootstrap of one value.
+    single = M.summarise([_row("rows-32", 0, 400.0, 0.85)], {0: 0.35})["across_seeds"][0]
+    assert (single["mia_auc_low"], single["mia_auc_high"]) == (pytest.approx(0.75), pytest.approx(0.95))
+
+
+def test_writing_a_measurement_keeps_the_other_points_and_seeds_and_summarises_them_all(tmp_path):
+    path = tmp_path / "testbed.json"
+    path.write_text(json.dumps({"parts": {"accuracy": {}}, "memorisation": {
+        "points": [_row("rows-16", 0, 400.0, 0.95), _row("rows-32", 0, 400.0, 0.85), _row("rows-8", 0, 400.0, 0.5)],
+        "question_only_by_seed": {"0": 0.35}, "config": {"points": {"rows-32": {"data.train_limit": 32}}}}}))
+    measured = {"points": [_row("rows-16", 1, 400.0, 0.93), _row("rows-8", 0, 400.0, 0.97)],
+                "question_only_by_seed": {"1": 0.36}, "config": {"points": {"rows-16": {"data.train_limit": 16}}},
+                "wall_seconds": 1.0}
+    M.merge_measurement(path, measured)
+    data = json.loads(path.read_text())
+    assert data["parts"] == {"accuracy": {}}
+    kept = {(row["point"], row["seed"]): row["mia_auc"] for row in data["memorisation"]["points"]}
+    # rows-8 at seed 0 was measured again: the new row replaces the old.
+    assert kept == {("rows-16", 0): 0.95, ("rows-32", 0): 0.85, ("rows-16", 1): 0.93, ("rows-8", 0): 0.97}
+    by_point = {e["point"]: e for e in data["memorisation"]["across_seeds"]}
+    assert by_point["rows-16"]["seeds"] == [0, 1] and by_point["rows-16"]["mia_auc"] == pytest.approx(0.94)
+    assert data["memorisation"]["question_only_by_seed"] == {"0": 0.35, "1": 0.36}
+    assert data["memorisation"]["config"]["points"].keys() == {"rows-16", "rows-32"}
+    assert data["memorisation"]["wall_seconds"] == 1.0

@@ -207,6 +207,21 @@ label = ["dtp-a0", "dtp-a1", "random"]
     assert "dtp.alpha: [1, 1]" in refusal(tmp_path, grid.replace("alpha = [0, 1]", "alpha = [1, 1]"))
 
 
+def test_overrides_set_a_key_on_every_point_over_the_file_and_its_runs_are_judged_by_them(tmp_path):
+    body = "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\", \"usl\"] }\n"
+    path = sweep_file(tmp_path, body)
+    seeded = load_sweep(path, out=tmp_path / "out", overrides={"data.seed": 3, "model.seed": 3})
+    assert [(p.config.data.seed, p.config.model.seed) for p in seeded.points] == [(3, 3), (3, 3)]
+    assert [p.name for p in seeded.points] == ["g-sl", "g-usl"]
+    point = seeded.points[0]
+    point.folder.mkdir(parents=True)
+    (point.folder / "config.json").write_text(json.dumps({"config": point.config.to_flat(), "fingerprint": "x"}))
+    (point.folder / "committed.json").write_text(json.dumps({"round": 1}))
+    # The same folder is that seed's: loaded with the overrides it is accepted, without them refused.
+    load_sweep(path, out=tmp_path / "out", overrides={"data.seed": 3, "model.seed": 3})
+    assert "another value of data.seed, model.seed" in refusal(tmp_path, body)
+
+
 def test_a_point_whose_config_changed_since_its_run_folder_was_written_is_refused(tmp_path):
     body = "[[grid]]\nname = \"g\"\nproduct = { paradigm = [\"sl\"] }\n"
     point = load_sweep(sweep_file(tmp_path, body), out=tmp_path / "out").points[0]
