@@ -21,14 +21,15 @@ mini-targets: setup
 
 # Every sweep behind a results/*.md (benchmarks/sweep_results.py's SWEEPS), archived as it goes, and the
 # mini builds they run on. sims/sweeps/memorisation.toml feeds benchmarks/testbed_memorisation.py;
-# smoke.toml is the tests'; pruning-mia.toml joins pruning-attacks' claims (its membership).
+# smoke.toml is the tests'; pruning-mia.toml joins pruning-attacks' claims (its membership) and
+# memorisation-audit.toml federated-privacy's report (the input-space audit where membership leaks).
 SWEEPS = paradigms pruning-attacks defenses vision-edge federated-privacy dpmtv cross-device
 
 sweeps: setup
 	.venv/bin/qpriv-mini build
 	.venv/bin/qpriv-mini --profile mini-scenes build
 	.venv/bin/qpriv-mini --profile mini-interleaved build
-	for sweep in pruning-mia $(SWEEPS); do \
+	for sweep in pruning-mia memorisation-audit $(SWEEPS); do \
 		.venv/bin/qpriv-sweep run sims/sweeps/$$sweep.toml --archive results/sweeps/$$sweep || exit 1; \
 	done
 	for sweep in $(SWEEPS); do .venv/bin/python benchmarks/sweep_results.py $$sweep || exit 1; done

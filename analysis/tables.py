@@ -99,24 +99,48 @@ def defense_table(results: Results) -> pd.DataFrame:
 
 
 # What the federated-privacy table reads of the membership attacks besides their headline.
-AUDIT_METRICS = ("auc", "tpr_at_fpr_0.01", "audit_epsilon")
+AUDIT_METRICS = ("auc", "tpr_at_fpr_0.01", "tpr_at_fpr_0.001", "audit_epsilon")
+
+
+def _accuracy(results: Results, runs: pd.Series) -> dict[str, Any]:
+    """Test accuracy over every question each of `runs` scored, with a 95% bootstrap interval over
+    seeds, then questions (analysis.stats.bootstrap), and its n; {} when the runs scored none."""
+    scored = results.outcomes[results.outcomes["run"].isin(runs)] if not results.outcomes.empty else None
+    if scored is None or scored.empty:
+        return {}
+    accuracy = bootstrap([frame["score"].to_numpy(dtype=float) for _, frame in scored.groupby("seed")])
+    return {"test_accuracy": accuracy.value, "accuracy_low": accuracy.low, "accuracy_high": accuracy.high,
+            "seeds": accuracy.seeds, "questions": accuracy.items}
 
 
 def federated_privacy_table(results: Results) -> pd.DataFrame:
-    """Per paradigm, policy and privacy setting (privacy.dp, privacy.secagg): test accuracy, the
-    accountant's epsilon, each attack label's headline number and, of the membership attacks, AUC,
-    TPR at 1% FPR and the canary audit's epsilon lower bound beside the accountant's."""
+    """Per sweep, paradigm, policy and privacy setting (privacy.dp, privacy.secagg): test accuracy
+    over its seeds with its interval, the accountant's epsilon (the most any seed spent), each
+    attack label's headline number and, of the membership attacks, AUC, TPR at 1% and 0.1% FPR and
+    the canary audit's epsilon lower bound, each the mean over the seeds, the audit's also with its
+    least and most (the most must stay below the accountant's)."""
     attacks = results.attacks
     if attacks.empty or "privacy_setting" not in attacks:
         return pd.DataFrame()
+    attacks = attacks.assign(sweep=attacks["sweep"] if "sweep" in attacks else "")
     rows = []
-    keys = ["paradigm", "threat", "policy", "privacy_setting"]
-    for (paradigm, threat, policy, setting), group in attacks.groupby(keys, dropna=False):
-        row = _headlines(group, {"paradigm": paradigm, "threat": threat, "policy": policy, "privacy_setting": setting,
-                                 "test_accuracy": group["test_accuracy"].mean(),
+    keys = ["sweep", "paradigm", "threat", "policy", "privacy_setting"]
+    for values, group in attacks.groupby(keys, dropna=False):
+        runs = group.drop_duplicates("run")
+        row = _headlines(group, {**dict(zip(keys, values, strict=True)), "seeds": runs["seed"].nunique(),
+                                 "test_accuracy": runs["test_accuracy"].mean(),
+                                 **_accuracy(results, runs["run"]),
                                  "accountant_epsilon": group["accountant_epsilon"].max()})
-        for _, result in group[group["base_attack"].isin(MEMBERSHIP_ATTACKS)].iterrows():
-            row.update({f"{result['attack']}_{m}": result[m] for m in AUDIT_METRICS if m in result and pd.notna(result[m])})
+        membership = group[group["base_attack"].isin(MEMBERSHIP_ATTACKS)]
+        for attack, by_seed in membership.groupby("attack"):
+            for metric in AUDIT_METRICS:
+                measured = by_seed[metric].dropna() if metric in by_seed else pd.Series(dtype=float)
+                if measured.empty:
+                    continue
+                row[f"{attack}_{metric}"] = float(measured.mean())
+                if metric == "audit_epsilon":
+                    row[f"{attack}_audit_epsilon_min"] = float(measured.min())
+                    row[f"{attack}_audit_epsilon_max"] = float(measured.max())
         rows.append(row)
     return pd.DataFrame(rows).sort_values(keys).reset_index(drop=True)
 
@@ -138,17 +162,14 @@ def cohort_curve(results: Results) -> pd.DataFrame:
     audits = rows_where(results.attacks, attack="update_audit")
     rows = []
     for values, group in runs.groupby(COHORT_KEYS, dropna=False):
-        scored = results.outcomes[results.outcomes["run"].isin(group["run"])] if not results.outcomes.empty else None
-        if scored is None or scored.empty:
+        accuracy = _accuracy(results, group["run"])
+        if not accuracy:
             continue
-        per_seed = [frame["score"].to_numpy(dtype=float) for _, frame in scored.groupby("seed")]
-        accuracy = bootstrap(per_seed)
         audit = audits[audits["run"].isin(group["run"])]["audit_epsilon"] if not audits.empty else pd.Series(dtype=float)
         rounds = results.rounds[results.rounds["run"].isin(group["run"])] if not results.rounds.empty else results.rounds
         training = rounds[rounds["test_accuracy"].isna()] if "test_accuracy" in rounds else rounds
-        rows.append({**dict(zip(COHORT_KEYS, values, strict=True)), "test_accuracy": accuracy.value,
-                     "accuracy_low": accuracy.low, "accuracy_high": accuracy.high, "seeds": accuracy.seeds,
-                     "questions": accuracy.items, "accountant_epsilon": group["accountant_epsilon"].mean(),
+        rows.append({**dict(zip(COHORT_KEYS, values, strict=True)), **accuracy,
+                     "accountant_epsilon": group["accountant_epsilon"].mean(),
                      "audit_epsilon": audit.mean() if len(audit) else None,
                      "audit_epsilon_max": audit.max() if len(audit) else None, "audits": len(audit),
                      "round_s": training["wall_s"].median() if "wall_s" in training and len(training) else None})
@@ -156,11 +177,12 @@ def cohort_curve(results: Results) -> pd.DataFrame:
 
 
 def audit_violations(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows whose canary audit bounds epsilon above what the accountant spent: never, if the
+    """The rows whose canary audit bounds epsilon above what the accountant spent, at any seed (a
+    column audit_epsilon, or <attack>_audit_epsilon, and their _max over seeds): never, if the
     accounting and the mechanisms are right."""
     if table.empty:
         return table
-    audits = [c for c in table.columns if c.endswith("_audit_epsilon")]
+    audits = [c for c in table.columns if c.endswith(("audit_epsilon", "audit_epsilon_max"))]
     over = pd.Series(False, index=table.index)
     for column in audits:
         over |= table["accountant_epsilon"].notna() & (table[column] > table["accountant_epsilon"])

@@ -33,8 +33,9 @@ from training.protocol import SWEEP_STAMP
 
 from report import REPORT_HELP, RESULTS, markdown_table, percent, read_json, write_json, write_markdown
 
-# Sweeps whose runs join another's claims: pruning-mia measures membership through each policy.
-COMPANIONS = {"pruning-attacks": ("pruning-mia",)}
+# Sweeps whose runs join another's report: pruning-mia measures membership through each policy, and
+# memorisation-audit audits DP-SGD with input-space canaries where membership leaks.
+COMPANIONS = {"pruning-attacks": ("pruning-mia",), "federated-privacy": ("memorisation-audit",)}
 SWEEPS = ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "cross-device")
 COMMAND = "python benchmarks/sweep_results.py"
 
@@ -76,13 +77,11 @@ def measure(name: str, folder: Path, companions: tuple[Path, ...] = ()) -> dict[
         tables["edge_claims"] = {p: records(vision_edge.claims(results, p))
                                  for p in sorted(set(results.attacks["paradigm"]))} if not results.attacks.empty else {}
     elif name == "federated-privacy":
-        table = T.federated_privacy_table(results)
+        table = T.federated_privacy_table(runs.load_results(folder, *companions) if companions else results)
         tables["federated_privacy"], tables["audit_violations"] = records(table), records(T.audit_violations(table))
     elif name == "cross-device":
         curve = T.cohort_curve(results)
-        tables["cohort_curve"] = records(curve)
-        tables["audit_violations"] = records(curve[curve["audit_epsilon_max"] > curve["accountant_epsilon"]]) \
-            if not curve.empty else []
+        tables["cohort_curve"], tables["audit_violations"] = records(curve), records(T.audit_violations(curve))
     elif name == "dpmtv":
         tables["mtv"], tables["mtv_claims"] = records(T.mtv_table(results)), records(dp_mtv.claims(results))
     else:
@@ -308,28 +307,49 @@ def _edge_sections(tables: dict[str, Any]) -> list[str]:
 
 # The federated-privacy table's attack columns: (column, title, format).
 PRIVACY_COLUMNS = (("idlg_label_precision", "iDLG precision (FL)", ".2f"), ("idlg_label_accuracy", "iDLG acc. (CB)", ".2f"),
-                   ("mia_attack_success", "MIA success", ".2f"), ("mia_auc", "MIA AUC", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
-                   ("mia_loss_tpr_at_fpr_0.01", "loss TPR @ 1% FPR", ".2f"), ("mia_audit_epsilon", "audit ε (MIA)", ".2f"),
-                   ("mia_loss_audit_epsilon", "audit ε (loss)", ".2f"), ("fora_psnr", "FORA dB", ".1f"))
+                   ("mia_attack_success", "MIA success", ".2f"), ("mia_auc", "MIA AUC", ".2f"),
+                   ("mia_tpr_at_fpr_0.01", "MIA TPR @ 1%", ".2f"), ("mia_loss_auc", "loss MIA AUC", ".2f"),
+                   ("mia_loss_tpr_at_fpr_0.01", "loss TPR @ 1%", ".2f"), ("mia_loss_tpr_at_fpr_0.001", "loss TPR @ 0.1%", ".2f"),
+                   ("fora_psnr", "FORA dB", ".1f"))
+# The audits' columns: (attack, title); each shown as its mean over seeds [least, most].
+AUDIT_COLUMNS = (("mia", "audit ε (MIA)"), ("mia_loss", "audit ε (loss)"), ("update_audit", "audit ε (updates)"))
+
+
+def _audit_cell(row: dict[str, Any], attack: str) -> str:
+    mean = row.get(f"{attack}_audit_epsilon")
+    if mean is None:
+        return "—"
+    low, high = row.get(f"{attack}_audit_epsilon_min"), row.get(f"{attack}_audit_epsilon_max")
+    return f"{mean:.2f}" + (f" [{low:.2f}, {high:.2f}]" if None not in (low, high) and row.get("seeds", 1) > 1 else "")
 
 
 def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
-    """Per paradigm, policy and guarantee: accuracy, the accountant's epsilon, the attacks, and the
-    canary audit's epsilon lower bound, which must stay below the accountant's."""
+    """Per sweep, paradigm, policy and guarantee: accuracy over the seeds, the accountant's epsilon,
+    the attacks, and the canary audits' epsilon lower bounds, which must stay below the accountant's."""
     rows = tables["federated_privacy"]
     shown = [(key, title, spec) for key, title, spec in PRIVACY_COLUMNS if any(r.get(key) is not None for r in rows)]
+    audits = [(attack, title) for attack, title in AUDIT_COLUMNS if any(r.get(f"{attack}_audit_epsilon") is not None
+                                                                         for r in rows)]
     lines = ["", "## Federated privacy", "", "Each run trained under its guarantee (privacy.dp, privacy.secagg) with "
-             "canaries in its data (data.canaries); ε: the accountant's after the last round (DP-SGD: the worst "
-             "client's). iDLG precision (FL): the share of an update's batch's answer tokens among the tokens it "
-             "scores highest; iDLG acc. (CB): each sample's answer read from USL's gradient at CB. Membership: on the "
-             "canaries; audit ε: the canary audit's lower bound at 95%.", "",
-             markdown_table(["paradigm", "server", "policy", "guarantee", "test acc.", "ε", *(title for _, title, _ in shown)],
-                            [[r["paradigm"].upper(), r.get("threat", "not split"), r["policy"], r["privacy_setting"],
-                              percent(r["test_accuracy"]),
-                              _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown)]
+             "canaries in its data (data.canaries); ε: the accountant's after the last round, the most any seed spent "
+             "(DP-SGD: the worst client's; clip-only: the same clipping, no noise, no ε). Test accuracy over every "
+             "seed's questions (95% bootstrap interval: seeds, then questions). iDLG precision (FL): the share of an "
+             "update's batch's answer tokens among the tokens it scores highest; iDLG acc. (CB): each sample's answer "
+             "read from USL's gradient at CB. Membership: on the canaries, the mean over seeds; audit ε: the one-run "
+             "lower bound at 95% (Steinke et al. 2023), the mean over seeds [least, most]; the updates' from 1,000 "
+             "update canaries (threat.update_canaries). memorisation-audit: the memorisation setting with 100 "
+             "input-space canaries (sims/sweeps/memorisation-audit.toml).", "",
+             markdown_table(["sweep", "paradigm", "server", "policy", "guarantee", "seeds", "test acc.", "95% interval",
+                             "ε", *(title for _, title, _ in shown), *(title for _, title in audits)],
+                            [[r.get("sweep", ""), r["paradigm"].upper(), r.get("threat", "not split"), r["policy"],
+                              r["privacy_setting"], r.get("seeds", 1), percent(r["test_accuracy"]),
+                              f"[{percent(r['accuracy_low'])}, {percent(r['accuracy_high'])}]"
+                              if r.get("accuracy_low") is not None else "—",
+                              _f(r.get("accountant_epsilon"), ".2f"), *(_f(r.get(key), spec) for key, _, spec in shown),
+                              *(_audit_cell(r, attack) for attack, _ in audits)]
                              for r in rows])]
     violations = tables["audit_violations"]
-    lines += ["", f"Audit bounds above the accountant's ε: {len(violations)}" + (
+    lines += ["", f"Audit bounds above the accountant's ε at any seed: {len(violations)}" + (
         " — " + ", ".join(f"{r['paradigm'].upper()} {r['policy']} {r['privacy_setting']}" for r in violations)
         if violations else " (as it must be).")]
     return lines

@@ -25,8 +25,8 @@ URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 CLIMB = re.compile(r"(?<![\w/.])((?:\.\./)+[\w.-][\w./-]*)")
 # Sweeps that feed no results/*.md of their own: the memorisation preset is read by
 # benchmarks/testbed_memorisation.py, the smoke sweep by the tests, pruning-mia by pruning-attacks'
-# claims (membership through each policy).
-NOT_RESULTS_SWEEPS = {"memorisation", "smoke", "pruning-mia"}
+# claims (membership through each policy), memorisation-audit by federated-privacy's report.
+NOT_RESULTS_SWEEPS = {"memorisation", "smoke", "pruning-mia", "memorisation-audit"}
 
 
 def test_the_docs_build_strictly_without_a_warning(tmp_path):

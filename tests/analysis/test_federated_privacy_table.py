@@ -2,13 +2,15 @@
 bounds epsilon above what the accountant says was spent."""
 
 import pandas as pd
+import pytest
 
 from analysis import runs, tables
 
 
-def attack_rows(audit_epsilon: float) -> list[dict]:
+def attack_rows(audit_epsilon: float, seed: int = 0) -> list[dict]:
     def row(setting, epsilon, attack, **metrics):
-        return {"run": setting, "paradigm": "fl", "threat": "none", "policy": "off", "privacy_setting": setting, "test_accuracy": 0.6,
+        return {"run": f"{setting}-s{seed}", "seed": seed, "sweep": "federated-privacy", "paradigm": "fl",
+                "threat": "none", "policy": "off", "privacy_setting": setting, "test_accuracy": 0.6,
                 "accountant_epsilon": epsilon, "attack": attack, "base_attack": attack, **metrics}
 
     return [row("none", None, "mia_loss", auc=0.9, attack_success=0.8, audit_epsilon=1.5),
@@ -33,6 +35,31 @@ def test_each_guarantee_has_its_accuracy_budget_attacks_and_audit():
 
 def test_an_audit_above_the_accountant_s_epsilon_is_flagged():
     assert list(tables.audit_violations(table(1.3))["privacy_setting"]) == ["central(eps=1)"]
+
+
+def test_seeds_are_summarised_not_overwritten_and_one_seed_over_the_budget_is_a_violation():
+    """Three seeds of each setting: the audit's mean, least and most over them, accuracy over every
+    seed's questions with its interval; the most is what must stay below the accountant's."""
+    attacks = pd.DataFrame([row for seed, audit in ((0, 0.2), (1, 0.4), (2, 1.2))
+                            for row in attack_rows(audit, seed)])
+    outcomes = pd.DataFrame([{"run": f"{setting}-s{seed}", "seed": seed, "item": str(item),
+                              "score": float(item < (80 if setting == "none" else 40))}
+                             for setting in ("none", "central(eps=1)") for seed in range(3) for item in range(100)])
+    result = tables.federated_privacy_table(runs.Results(pd.DataFrame(), pd.DataFrame(), attacks, outcomes, pd.DataFrame()))
+    rows = result.set_index("privacy_setting")
+    dp = rows.loc["central(eps=1)"]
+    assert dp["seeds"] == 3 and dp["questions"] == 100 and dp["test_accuracy"] == pytest.approx(0.4)
+    assert dp["accuracy_low"] <= 0.4 <= dp["accuracy_high"] < rows.loc["none", "accuracy_low"]
+    assert (dp["mia_loss_audit_epsilon"], dp["mia_loss_audit_epsilon_min"], dp["mia_loss_audit_epsilon_max"]) == (
+        pytest.approx(0.6), 0.2, 1.2)
+    assert rows.loc["none", "mia_loss_audit_epsilon_max"] == 1.5
+    # Seed 2's bound (1.2) exceeds ε = 1 though the mean (0.6) does not.
+    assert list(tables.audit_violations(result)["privacy_setting"]) == ["central(eps=1)"]
+    # Another sweep's runs of the same setting (a companion's) keep rows of their own.
+    other = attacks.assign(sweep="memorisation-audit", run=attacks["run"] + "-m")
+    both = tables.federated_privacy_table(runs.Results(pd.DataFrame(), pd.DataFrame(), pd.concat([attacks, other]),
+                                                       pd.DataFrame(), pd.DataFrame()))
+    assert sorted(set(both["sweep"])) == ["federated-privacy", "memorisation-audit"] and len(both) == 4
 
 
 def test_the_guarantee_is_named_by_mode_budget_and_secure_aggregation():

@@ -8,7 +8,7 @@ from analysis.runs import Results
 
 
 def attack_row(run: str, threat: str, accuracy: float, attack: str, **metrics) -> dict:
-    return {"run": run, "sweep": "defenses", "paradigm": "sl", "profile": "mini-scenes", "policy": "off",
+    return {"run": run, "seed": 0, "sweep": "defenses", "paradigm": "sl", "profile": "mini-scenes", "policy": "off",
             "threat": threat, "hijacked": threat == "active-fsha", "defenses": "none", "defense_setting": "none",
             "privacy_setting": "none", "accountant_epsilon": None, "kept_tokens_mean": 16.0, "test_accuracy": accuracy,
             "attack": attack, "base_attack": attack, **metrics}

@@ -441,7 +441,7 @@ def test_the_results_notebook_executes_headless_on_the_smoke_sweep_and_draws_eve
 
 def test_the_shipped_sweeps_validate(tmp_path):
     for name in ("paradigms", "pruning-attacks", "defenses", "vision-edge", "federated-privacy", "dpmtv", "smoke",
-                 "memorisation", "pruning-mia"):
+                 "memorisation", "memorisation-audit", "pruning-mia"):
         sweep = load_sweep(REPOSITORY / "sims" / "sweeps" / f"{name}.toml", out=tmp_path / name)
         assert sweep.points
     # The pruning sweep runs every registered policy but the oracle (its table covers only the samples
