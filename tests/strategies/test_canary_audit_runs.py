@@ -15,6 +15,7 @@ from config import load_config
 from strategies.app import run
 from training import protocol
 from wire import Wire
+from process_death import Killed, kill_in_round
 
 
 def audited_config(run_config, name, canaries, **overrides):
@@ -43,23 +44,13 @@ def test_the_included_canaries_join_the_noised_average_as_clients(run_config, fa
     assert not (folders["plain"].path / UPDATE_CANARIES_FILE).exists()
 
 
-class Killed(BaseException):
-    """Stands in for the server process dying."""
-
-
 def test_a_resumed_audit_keeps_its_committed_rounds_and_scores_the_rest(run_config, fake_grid):
     raw = audited_config(run_config, "straight", 100, **{"train.rounds": 2})
     straight = json.loads((run(fake_grid(client_app, raw, 2), load_config(raw)).path / UPDATE_CANARIES_FILE).read_text())
 
     raw = audited_config(run_config, "resumed", 100, **{"train.rounds": 2})
     grid = fake_grid(client_app, raw, 2)
-
-    def kill_in_round_two(message, reply):
-        if message.content.config_records[protocol.CONFIG]["round"] == 2:
-            raise Killed
-        return reply
-
-    grid.interceptors[1] = kill_in_round_two
+    grid.interceptors[1] = kill_in_round(2)
     with pytest.raises(Killed):
         run(grid, load_config(raw))
     folder = run(fake_grid(client_app, raw, 2), load_config(raw))

@@ -14,10 +14,7 @@ from training import protocol
 from training.model import load_party_model
 from vlm.lora import owner_state_dict
 from wire import Wire
-
-
-class Killed(BaseException):
-    """Stands in for the server process dying."""
+from process_death import Killed, kill_in_round
 
 
 def metrics(folder):
@@ -101,13 +98,7 @@ def test_a_resumed_dp_run_spends_the_same_budget_and_adds_the_same_noise(mode, r
 
     raw = fl_dp_config(run_config, "run", **dp)
     grid = fake_grid(client_app, raw, 2)
-
-    def kill_in_round_three(message: Message, reply: Message) -> Message:
-        if message.content.config_records[protocol.CONFIG]["round"] == 3:
-            raise Killed
-        return reply
-
-    grid.interceptors[1] = kill_in_round_three
+    grid.interceptors[1] = kill_in_round(3)
     with pytest.raises(Killed):
         run(grid, load_config(raw))
     resumed = run(fake_grid(client_app, raw, 2), load_config(raw))

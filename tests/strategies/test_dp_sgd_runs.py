@@ -13,6 +13,7 @@ from config import ConfigError, load_config
 from strategies.app import run
 from training import protocol
 from training.batches import batch_positions
+from process_death import Killed, kill_in_round
 
 
 def metrics(folder):
@@ -87,10 +88,6 @@ def test_dp_sgd_settings_it_cannot_honour_are_refused(overrides, key, run_config
     assert error.value.key == key
 
 
-class Killed(BaseException):
-    """Stands in for the server process dying."""
-
-
 def test_a_resumed_dp_sgd_run_draws_the_same_batches_and_noise_and_spends_on(run_config, fake_grid, assert_same_outcome):
     """Killed in round 2 and resumed: each client's DP-SGD batches and noise are drawn by
     (partition, round, step), and its budget follows its step count, so the outcome is the
@@ -101,13 +98,7 @@ def test_a_resumed_dp_sgd_run_draws_the_same_batches_and_noise_and_spends_on(run
     straight = run(fake_grid(client_app, straight_raw, 2), load_config(straight_raw))
     raw = run_config(**{**dp, "output.name": "resumed"})
     grid = fake_grid(client_app, raw, 2)
-
-    def kill_in_round_two(message, reply):
-        if message.content.config_records[protocol.CONFIG]["round"] == 2 and message.metadata.message_type == protocol.USL_HEAD:
-            raise Killed
-        return reply
-
-    grid.interceptors[2] = kill_in_round_two
+    grid.interceptors[2] = kill_in_round(2, protocol.USL_HEAD)
     with pytest.raises(Killed):
         run(grid, load_config(raw))
     resumed = run(fake_grid(client_app, raw, 2), load_config(raw))

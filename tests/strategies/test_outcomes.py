@@ -14,6 +14,7 @@ from strategies.app import run
 from strategies.callbacks import Checkpointer
 from training.data import RunData
 from training.protocol import OUTCOMES_FILE
+from process_death import Killed
 
 
 def outcomes(folder):
@@ -73,10 +74,6 @@ def test_mtv_records_each_questions_score_with_the_task_vector_and_zero_shot(run
     assert line["zero_shot"] == [1 - known_score(sample) for sample in test]
     assert sum(line["scores"]) / len(test) == pytest.approx(record["test_accuracy"])
     assert sum(line["zero_shot"]) / len(test) == pytest.approx(record["zero_shot_accuracy"])
-
-
-class Killed(BaseException):
-    """Stands in for the server process dying: nothing in the run may catch it."""
 
 
 def test_a_resumed_run_does_not_repeat_a_rounds_outcomes(run_config, fake_grid, known_scores, monkeypatch):

@@ -18,6 +18,7 @@ from strategies.fl import WireFedAvg
 from training import protocol
 from training.store import PrivateStore
 from wire import Wire
+from process_death import Killed, kill_in_round
 
 
 def metrics(folder):
@@ -49,25 +50,13 @@ def test_a_run_records_every_round(paradigm, trips_per_step, run_config, fake_gr
         assert set(records[0]["bytes_per_client"]) == {"1", "2"}
 
 
-class Killed(BaseException):
-    """Stands in for the server process dying: nothing in the run may catch it."""
-
-
 def test_a_killed_run_resumes_without_losing_or_repeating_a_round(run_config, fake_grid, tmp_path):
     raw = run_config(**{"train.rounds": 3, "train.steps_per_round": 2})
     straight = run(fake_grid(client_app, {**raw, "output.name": "straight"}, 2), load_config({**raw, "output.name": "straight"}))
 
     grid = fake_grid(client_app, raw, 2)
-    calls = {"n": 0}
-
-    def kill_in_round_two(message: Message, reply: Message) -> Message:
-        if message.content.config_records[protocol.CONFIG]["round"] == 2 and message.metadata.message_type == protocol.USL_HEAD:
-            calls["n"] += 1
-            if calls["n"] == 1:  # after client 1 saved a half-done round 2
-                raise Killed
-        return reply
-
-    grid.interceptors[1] = kill_in_round_two
+    # At client 1's first head message of round 2, after it saved a half-done round.
+    grid.interceptors[1] = kill_in_round(2, protocol.USL_HEAD)
     with pytest.raises(Killed):
         run(grid, load_config(raw))
     interrupted = json.loads((straight.path.parent / "run" / "status.json").read_text())

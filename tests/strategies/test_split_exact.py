@@ -21,6 +21,7 @@ from training.model import load_party_model, make_optimizer
 from training.store import PrivateStore
 from vlm.lora import lora_parameters, owner_state_dict
 from vlm.segments import next_token_loss, run_decoder_layers
+from process_death import Killed, kill_in_round
 
 CLIENT_OWNERS = {"usl": ("head", "tail"), "sl": ("client",)}
 
@@ -126,30 +127,20 @@ def test_a_warm_client_parses_the_run_config_once(run_config, fake_grid, monkeyp
     assert len(parses) == 1  # for 2 clients × 2 rounds × 5 training messages and the evaluation
 
 
-class Killed(BaseException):
-    """Stands in for a process dying: nothing in the run may catch it."""
-
-
 @pytest.mark.parametrize("paradigm", ["usl", "sl"])
 def test_a_client_killed_mid_turn_resumes_without_a_lost_or_repeated_round(paradigm, run_config, fake_grid):
     raw = run_config(paradigm=paradigm, **{"train.rounds": 3, "train.steps_per_round": 3})
     straight_raw = {**raw, "output.name": "straight"}
     straight = run(fake_grid(client_app, straight_raw, 2), load_config(straight_raw))
     backward = {"usl": protocol.USL_HEAD, "sl": protocol.SL_BACKWARD}[paradigm]
-    seen = []
 
-    def kill_mid_turn(message: Message, reply: Message) -> Message:
-        config = message.content.config_records[protocol.CONFIG]
-        if config["round"] == 2 and message.metadata.message_type == backward:
-            seen.append(1)
-            if len(seen) == 2:  # client 1 is two steps into its round-2 turn, none of it on disk
-                client_runtime_module._RUNTIMES.clear()
-                client_runtime_module._BASES.clear()
-                raise Killed
-        return reply
+    def lose_memory() -> None:
+        client_runtime_module._RUNTIMES.clear()
+        client_runtime_module._BASES.clear()
 
     grid = fake_grid(client_app, raw, 2)
-    grid.interceptors[1] = kill_mid_turn
+    # Client 1 is two steps into its round-2 turn, none of it on disk.
+    grid.interceptors[1] = kill_in_round(2, backward, at=2, before=lose_memory)
     with pytest.raises(Killed):
         run(grid, load_config(raw))
     resumed = run(fake_grid(client_app, raw, 2), load_config(raw))
