@@ -444,6 +444,7 @@ def summarise(rows: Sequence[Mapping[str, Any]], baselines: Mapping[int, float])
         return None not in (entry["test_accuracy"], entry["question_only_accuracy"]) and (
             entry["test_accuracy"] > entry["question_only_accuracy"])
 
+    across.sort(key=lambda entry: (entry["train_rows"] is None, entry["train_rows"] or 0, entry["point"]))
     eligible = [entry for entry in across if beats_baseline(entry)]
     best = max(eligible, key=lambda entry: entry["mia_auc"], default=None)
     return {
@@ -461,7 +462,9 @@ def combine(earlier: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, 
     """`result` over an `earlier` measurement: the rows of every (point, seed) it did not measure and
     the baselines of every seed it did not run are kept, and the summary is taken again over all."""
     measured = {(row["point"], int(row.get("seed", 0))) for row in result["points"]}
-    rows = [row for row in earlier.get("points", []) if (row["point"], int(row.get("seed", 0))) not in measured]
+    # A row written before rows carried their seed is seed 0's (the preset's own).
+    rows = [{**row, "seed": int(row.get("seed", 0))} for row in earlier.get("points", [])
+            if (row["point"], int(row.get("seed", 0))) not in measured]
     rows += list(result["points"])
     baselines = {int(seed): value for seed, value in earlier.get("question_only_by_seed", {}).items()}
     baselines.update({int(seed): value for seed, value in result["question_only_by_seed"].items()})

@@ -217,16 +217,18 @@ def test_the_acceptance_reads_the_mean_over_seeds_at_each_points_last_epochs():
 def test_writing_a_measurement_keeps_the_other_points_and_seeds_and_summarises_them_all(tmp_path):
     path = tmp_path / "testbed.json"
     path.write_text(json.dumps({"parts": {"accuracy": {}}, "memorisation": {
-        "points": [_row("rows-16", 0, 400.0, 0.95), _row("rows-32", 0, 400.0, 0.85), _row("rows-8", 0, 400.0, 0.5)],
+        "points": [_row("rows-16", 0, 400.0, 0.95), {k: v for k, v in _row("rows-32", 0, 400.0, 0.85, members=32).items() if k != "seed"},
+                   _row("rows-8", 0, 400.0, 0.5, members=8)],
         "question_only_by_seed": {"0": 0.35}, "config": {"points": {"rows-32": {"data.train_limit": 32}}}}}))
-    measured = {"points": [_row("rows-16", 1, 400.0, 0.93), _row("rows-8", 0, 400.0, 0.97)],
+    measured = {"points": [_row("rows-16", 1, 400.0, 0.93), _row("rows-8", 0, 400.0, 0.97, members=8)],
                 "question_only_by_seed": {"1": 0.36}, "config": {"points": {"rows-16": {"data.train_limit": 16}}},
                 "wall_seconds": 1.0}
     M.merge_measurement(path, measured)
     data = json.loads(path.read_text())
     assert data["parts"] == {"accuracy": {}}
     kept = {(row["point"], row["seed"]): row["mia_auc"] for row in data["memorisation"]["points"]}
-    # rows-8 at seed 0 was measured again: the new row replaces the old.
+    assert [e["point"] for e in data["memorisation"]["across_seeds"]] == ["rows-8", "rows-16", "rows-32"]
+    # rows-8 at seed 0 was measured again: the new row replaces the old; a row without a seed is seed 0's.
     assert kept == {("rows-16", 0): 0.95, ("rows-32", 0): 0.85, ("rows-16", 1): 0.93, ("rows-8", 0): 0.97}
     by_point = {e["point"]: e for e in data["memorisation"]["across_seeds"]}
     assert by_point["rows-16"]["seeds"] == [0, 1] and by_point["rows-16"]["mia_auc"] == pytest.approx(0.94)
