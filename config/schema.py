@@ -332,10 +332,20 @@ def _structured_defaults() -> DictConfig:
     return OmegaConf.structured(SimConfig)
 
 
+@cache
+def _flat_defaults() -> dict[str, Any]:
+    return _flatten(OmegaConf.to_container(_structured_defaults()))
+
+
 def load_config(run_config: Mapping[str, Any]) -> SimConfig:
     """A validated SimConfig from Flower's flat run config (dotted keys)."""
     base = copy.deepcopy(_structured_defaults())
+    defaults = _flat_defaults()
     for key, value in run_config.items():
+        # An app's run config declares every key, mostly at its default: setting those again costs
+        # OmegaConf most of a load (a sweep validates hundreds), and changes nothing.
+        if key in defaults and type(value) is type(defaults[key]) and value == defaults[key]:
+            continue
         try:
             OmegaConf.update(base, key, value, merge=False, force_add=False)
         except OmegaConfBaseException as error:

@@ -18,6 +18,7 @@ that was already running is left as it is, and the launcher says so, with how to
 
 import argparse
 import fcntl
+import functools
 import json
 import os
 import re
@@ -56,8 +57,14 @@ def app_config(app_dir: str | Path, overrides: dict[str, Any] | None = None) -> 
     project = Path(app_dir) / "pyproject.toml"
     if not project.is_file():
         raise LaunchError(f"{app_dir} is not a Flower App folder (no pyproject.toml); the sims are in sims/")
-    declared = tomllib.loads(project.read_text())["tool"]["flwr"]["app"]["config"]
-    return {**declared, **(overrides or {})}
+    return {**_declared_config(str(project.resolve()), project.stat().st_mtime_ns), **(overrides or {})}
+
+
+@functools.lru_cache(maxsize=32)
+def _declared_config(project: str, modified_ns: int) -> dict[str, Any]:
+    """The run config an app's pyproject.toml declares; read once per version of the file (a sweep
+    asks for it at every point)."""
+    return tomllib.loads(Path(project).read_text())["tool"]["flwr"]["app"]["config"]
 
 
 def toml_value(value: Any) -> str:
