@@ -338,7 +338,9 @@ def _federated_privacy_sections(tables: dict[str, Any]) -> list[str]:
              "read from USL's gradient at CB. Membership: on the canaries, the mean over seeds; audit ε: the one-run "
              "lower bound at 95% (Steinke et al. 2023), the mean over seeds [least, most]; the updates' from 1,000 "
              "update canaries (threat.update_canaries). memorisation-audit: the memorisation setting with 100 "
-             "input-space canaries (sims/sweeps/memorisation-audit.toml).", "",
+             "input-space canaries (sims/sweeps/memorisation-audit.toml). In SL and USL a client's ε covers its own "
+             "segments only: the server's segment trains on its activations without DP, so the attacks on the model "
+             "it deploys are not bounded by that ε (docs/privacy.md); FL's model is its clients' updates, covered.", "",
              markdown_table(["sweep", "paradigm", "server", "policy", "guarantee", "seeds", "test acc.", "95% interval",
                              "ε", *(title for _, title, _ in shown), *(title for _, title in audits)],
                             [[r.get("sweep", ""), r["paradigm"].upper(), r.get("threat", "not split"), r["policy"],
