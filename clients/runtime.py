@@ -28,6 +28,7 @@ from clients import ONE_MESSAGE_PER_PROCESS
 from privacy import DefenseChain, OptionError
 from privacy.dp import LOCAL, SGD, noise_multiplier
 from privacy.dp_sgd import SampleLevelDP
+from privacy.per_sample import LinearSampleGradients
 from pruning import VisualTokenSelector
 from config import ConfigError, SimConfig, load_config
 from config.schema import dp_federation
@@ -58,6 +59,8 @@ class KeptFront:
     inputs: DecoderInputs
     rows: torch.Tensor
     defense_loss: torch.Tensor | None = None
+    # Under DP-SGD: the forward's layer inputs, from which the backward reads each sample's gradient.
+    samples: LinearSampleGradients | None = None
 
 
 @dataclass

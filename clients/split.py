@@ -28,6 +28,7 @@ import torch
 
 from clients.runtime import ClientRuntime, KeptFront
 from privacy import ACTIVATION, EVAL, LOSS, TRAIN, DefenseSeed, Payload
+from privacy.per_sample import LinearSampleGradients
 from pruning import PruningRecord
 from training import protocol
 from training.batches import EncodedSample, VisionEdge, decoder_inputs, train_positions
@@ -126,11 +127,20 @@ class SplitClient:
         batch = self.train_batch()
         return batch, self.cut_activation(batch, [item.answer_ids for item in batch], self.seed(round_, self.rt.step))
 
+    def recorded_front(self, round_: int) -> tuple[list[EncodedSample], Front, LinearSampleGradients | None]:
+        """train_front, under DP-SGD with the front's layer inputs recorded for its per-sample gradients."""
+        if self.rt.dp_sgd is None:
+            return (*self.train_front(round_), None)
+        samples = LinearSampleGradients(self.rt.model, self.rt.parameters(self.front))
+        with samples.recording():
+            batch, front = self.train_front(round_)
+        return batch, front, samples
+
     def forward_payload(self, round_: int) -> dict:
         """Step t's front, kept with its graph for the backward message; reply its activation."""
-        batch, front = self.train_front(round_)
+        batch, front, samples = self.recorded_front(round_)
         self.rt.kept_front = KeptFront(step=self.rt.step, inputs=front.inputs, rows=front.rows,
-                                       defense_loss=front.defense_loss)
+                                       defense_loss=front.defense_loss, samples=samples)
         tensors = {protocol.ROWS: front.rows.detach(), protocol.LENGTHS: front.lengths,
                    **self.extra_forward_tensors(batch)}
         return {"tensors": tensors, "metrics": front.pruned.as_message_metrics()}
@@ -159,10 +169,10 @@ class SplitClient:
         rt.sync_private_state()
         kept = self.front_of_this_step()
         if kept is None:
-            _, front = self.train_front(round_)
+            _, front, samples = self.recorded_front(round_)
             rows, defense_loss, inputs = front.rows, front.defense_loss, front.inputs
         else:
-            rows, defense_loss, inputs = kept.rows, kept.defense_loss, kept.inputs
+            rows, defense_loss, inputs, samples = kept.rows, kept.defense_loss, kept.inputs, kept.samples
         rt.kept_front = None
         check_rows("gradient at the first cut", grad_rows, rows.shape[0])
         optimizer = rt.optimizers[self.front]
@@ -175,7 +185,7 @@ class SplitClient:
                 grads.append(torch.ones_like(defense_loss))
             torch.autograd.backward(outputs, grads)
         else:
-            self.private_front_gradients(round_, rows, grad_rows, inputs.attention_mask.sum(-1).tolist())
+            self.private_front_gradients(round_, rows, grad_rows, len(inputs.attention_mask), samples)
         optimizer.step()
         rt.step += 1
         rt.after_training_message(round_, (self.front,), end_of_turn=not go_on)
@@ -184,16 +194,17 @@ class SplitClient:
         # The end of the turn reports this client's DP-SGD budget (none without DP-SGD).
         return {"tensors": {}, "metrics": rt.dp_sgd.spent(rt.step) if rt.dp_sgd else {}}
 
-    def private_front_gradients(self, round_: int, rows: torch.Tensor, grad_rows: torch.Tensor, lengths: list[int]) -> None:
+    def private_front_gradients(self, round_: int, rows: torch.Tensor, grad_rows: torch.Tensor, count: int,
+                                samples: LinearSampleGradients) -> None:
         """DP-SGD on the front: each sample's gradient is its rows' slice backpropagated with the
         server's gradient for them (a sample's rows depend on its inputs alone) times the batch
         size — its share of the batch loss, scaled so that without clipping and noise the step is
-        the plain one — clipped, summed and noised."""
+        the plain one — clipped, summed and noised. One backward of the batch, read per sample from
+        the recorded forward (privacy.per_sample)."""
         rt = self.rt
         params = rt.parameters(self.front)
-        pieces = list(zip(torch.split(rows, lengths), torch.split(grad_rows * len(lengths), lengths), strict=True))
-        per_sample = (torch.autograd.grad(out, params, grad, retain_graph=True) for out, grad in pieces)
-        rt.dp_sgd.private_gradients(params, per_sample, len(lengths), rt.dp_generator(round_, self.front),
+        torch.autograd.grad(rows, params, grad_rows * count)
+        rt.dp_sgd.private_gradients(params, samples.per_sample(count), count, rt.dp_generator(round_, self.front),
                                     clip=self.segment_clip())
 
     def segment_clip(self) -> float:

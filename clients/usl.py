@@ -12,6 +12,7 @@ import torch
 
 from clients.split import SplitClient, check_rows
 from privacy import EVAL, GRADIENT, Payload
+from privacy.per_sample import LinearSampleGradients
 from training import protocol
 from vlm.segments import IGNORE_INDEX, next_token_loss, run_decoder_layers
 from wire import unpack_rows
@@ -34,7 +35,13 @@ class USLClient(SplitClient):
         rt.sync_private_state()
         inputs = self.step_inputs(round_)
         rows = rows.to(rt.party.device, next(rt.model.parameters()).dtype).requires_grad_()
-        logits = self._tail(inputs, rows)
+        samples = None
+        if rt.dp_sgd is None:
+            logits = self._tail(inputs, rows)
+        else:
+            samples = LinearSampleGradients(rt.model, rt.parameters("tail"))
+            with samples.recording():
+                logits = self._tail(inputs, rows)
         loss = next_token_loss(logits, inputs.labels)
         optimizer = rt.optimizers["tail"]
         optimizer.zero_grad(set_to_none=True)
@@ -44,7 +51,7 @@ class USLClient(SplitClient):
         else:
             # The gradient at CB is the batch loss's, as without DP-SGD (DP-SGD protects the weights).
             (grad,) = torch.autograd.grad(loss, rows, retain_graph=True)
-            self.private_tail_gradients(round_, logits, inputs.labels)
+            self.private_tail_gradients(round_, logits, inputs.labels, samples)
         optimizer.step()
         rt.after_training_message(round_, ("tail",), end_of_turn=False)
         if rt.defenses.acts_at(GRADIENT):
@@ -52,18 +59,19 @@ class USLClient(SplitClient):
             grad = rt.defenses.apply((GRADIENT,), payload, self.seed(round_, rt.step)).rows
         return {"tensors": {protocol.GRAD: grad}, "metrics": {"loss": loss.detach().item()}}
 
-    def private_tail_gradients(self, round_: int, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def private_tail_gradients(self, round_: int, logits: torch.Tensor, labels: torch.Tensor,
+                               samples: LinearSampleGradients) -> None:
         """DP-SGD on the tail: each sample's share of the batch loss times the batch size (as the
-        head's, clients.split), its gradient clipped to clip/√2, summed and noised."""
+        head's, clients.split), its gradient clipped to clip/√2, summed and noised. One backward of
+        the shares' sum, read per sample from the recorded forward (privacy.per_sample)."""
         rt = self.rt
         params = rt.parameters("tail")
+        count = labels.shape[0]
         answer_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(-1)
-        weights = answer_tokens * labels.shape[0] / answer_tokens.sum()
-        per_sample = (
-            torch.autograd.grad(next_token_loss(logits[i : i + 1], labels[i : i + 1]) * weights[i], params, retain_graph=True)
-            for i in range(labels.shape[0])
-        )
-        rt.dp_sgd.private_gradients(params, per_sample, labels.shape[0], rt.dp_generator(round_, "tail"),
+        weights = answer_tokens * count / answer_tokens.sum()
+        shares = sum(next_token_loss(logits[i : i + 1], labels[i : i + 1]) * weights[i] for i in range(count))
+        torch.autograd.grad(shares, params)
+        rt.dp_sgd.private_gradients(params, samples.per_sample(count), count, rt.dp_generator(round_, "tail"),
                                     clip=self.segment_clip())
 
     def segment_clip(self) -> float:
