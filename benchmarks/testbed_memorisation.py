@@ -66,7 +66,7 @@ TARGET_AUC = 0.9
 DEFAULT_FRACTIONS = (0.25, 0.5, 1.0)
 BASELINE_SPLIT = "train"
 # What the preset varies between its points.
-POINT_KEYS = ("data.train_limit", "train.batch_size", "train.steps_per_round", "train.rounds")
+POINT_KEYS = ("data.train_limit", "data.question_kinds", "train.batch_size", "train.steps_per_round", "train.rounds")
 
 
 # --- bookkeeping -------------------------------------------------------------------------------
@@ -364,15 +364,19 @@ def measure_memorisation(
     from sims.launch import app_config
     from vqa import load_vqa
 
-    # The test rows a run scores on are drawn with its data.seed: a baseline a seed.
-    baselines: dict[int, dict[str, Any]] = {}
-    for job in jobs:
-        if job["seed"] not in baselines:
-            data = load_config(app_config(job["sim"], job["overrides"])).data
+    # The test rows a run scores on are drawn with its data.seed (and its data.question_kinds): a
+    # baseline for each, carried by the rows it is the baseline of.
+    by_rows: dict[tuple[int, tuple[str, ...]], dict[str, Any]] = {}
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        data = load_config(app_config(job["sim"], job["overrides"])).data
+        key = (job["seed"], data.kinds)
+        if key not in by_rows:
             test_rows = load_vqa(data.dataset, data.test_split, data.source or None, limit=data.test_limit or None,
-                                 seed=data.seed)
-            baselines[job["seed"]] = question_only_accuracy(load_vqa(data.dataset, BASELINE_SPLIT, data.source or None),
-                                                            test_rows)
+                                 seed=data.seed, question_kinds=data.kinds)
+            by_rows[key] = question_only_accuracy(load_vqa(data.dataset, BASELINE_SPLIT, data.source or None), test_rows)
+        for row in outcome["rows"]:
+            row["question_only_accuracy"] = by_rows[key]["accuracy"]
+    baselines = {seed: baseline for (seed, kinds), baseline in by_rows.items() if not kinds}
     resolved = load_config(app_config(jobs[0]["sim"], jobs[0]["overrides"]))
     fixed_keys = ("paradigm", "model.profile", "model.stage", "model.lora_rank", "data.dataset", "data.train_split",
                   "data.test_split", "data.test_limit", "clients.count", "train.lr",
@@ -382,15 +386,16 @@ def measure_memorisation(
     return {
         "points": rows,
         **summarise(rows, {seed: baseline["accuracy"] for seed, baseline in baselines.items()}),
-        "question_only_by_kind": baselines[seeds[0]]["by_kind"],
+        "question_only_by_kind": next(iter(by_rows.values()))["by_kind"],
         "question_only_rule": f"per question text, the most frequent answer of {resolved.data.dataset}/{BASELINE_SPLIT} "
-                              "(an unseen text: its kind's most frequent answer), on the runs' test rows (drawn "
-                              "with each seed's data.seed); by kind at the first seed",
+                              "(an unseen text: its kind's most frequent answer), on each run's own test rows (drawn "
+                              "with its data.seed, of its data.question_kinds); by kind on the first run's",
         "config": {"preset": str(preset), "sim": jobs[0]["sim"],
                    "attack": ATTACK, "attack_options": mia_options, "fractions": list(fractions),
                    "processes": processes, "torch_threads": threads,
                    **{key: flat.get(key) for key in fixed_keys},
-                   "points": {job["name"]: {key: job["overrides"].get(key) for key in POINT_KEYS} for job in jobs}},
+                   "points": {job["name"]: {key: job["overrides"][key] for key in POINT_KEYS if key in job["overrides"]}
+                              for job in jobs}},
         "runs": [{k: v for k, v in outcome.items() if k != "rows"} for outcome in outcomes],
         "wall_seconds": round(wall, 1),
         "load_average_before": list(load_before),
@@ -403,8 +408,9 @@ def measure_memorisation(
 def summarise(rows: Sequence[Mapping[str, Any]], baselines: Mapping[int, float]) -> dict[str, Any]:
     """Each point's last epochs across its seeds, and the acceptance read from them.
 
-    `rows` are measure_point's (a row without a seed is seed 0's), `baselines` the question-only
-    accuracy by seed. A point's entry holds, from each seed's row at the most epochs, the AUC by
+    `rows` are measure_point's (a row without a seed is seed 0's), each with the question-only
+    accuracy of its own test rows; `baselines`, the question-only accuracy on every kind's test
+    rows by seed, stands in for a row written before rows carried theirs. A point's entry holds, from each seed's row at the most epochs, the AUC by
     seed and their mean with a 95% interval (a bootstrap over the seeds, analysis.stats.bootstrap;
     with one seed, the row's own bootstrap over the scored rows), and the mean test accuracy
     against the mean of those seeds' baselines. The target is reached by a point whose mean AUC is
@@ -427,6 +433,7 @@ def summarise(rows: Sequence[Mapping[str, Any]], baselines: Mapping[int, float])
         else:
             low, high = by_seed[seeds[0]].get("mia_auc_low"), by_seed[seeds[0]].get("mia_auc_high")
         accuracy = [by_seed[seed].get("test_accuracy") for seed in seeds]
+        own_baselines = [by_seed[seed].get("question_only_accuracy", baselines.get(seed)) for seed in seeds]
         members = sorted({int(by_seed[seed].get("members") or 0) for seed in seeds})
         across.append({
             "point": point, "train_rows": by_seed[seeds[0]].get("train_rows"),
@@ -434,8 +441,7 @@ def summarise(rows: Sequence[Mapping[str, Any]], baselines: Mapping[int, float])
             "mia_auc": float(np.mean(aucs)), "mia_auc_low": low, "mia_auc_high": high,
             "mia_auc_by_seed": aucs,
             "test_accuracy": float(np.mean(accuracy)) if None not in accuracy else None,
-            "question_only_accuracy": float(np.mean([baselines[seed] for seed in seeds if seed in baselines]))
-            if any(seed in baselines for seed in seeds) else None,
+            "question_only_accuracy": float(np.mean(own_baselines)) if None not in own_baselines else None,
             "n": f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} × "
                  + (f"{members[0]}" if len(members) == 1 else "/".join(map(str, members))) + " members a side",
         })

@@ -91,6 +91,13 @@ class DataConfig:
     # random plausible answer (canaries), and a fair coin puts each in the client's training data
     # or leaves it out (Steinke et al.'s one-run audit); attacks' membership truth is then these.
     canaries: int = 0
+    # Comma-separated question kinds (e.g. "location,relation"): the run's rows, test and canaries
+    # and the attacker's public rows alike, are drawn from those kinds only; "": every kind.
+    question_kinds: str = ""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(kind.strip() for kind in self.question_kinds.split(",")) if self.question_kinds else ()
 
 
 # How an FL round draws its clients (clients.sampling).
@@ -413,6 +420,10 @@ def validate(config: SimConfig) -> None:
                           "rows of the training split beyond the clients' train_limit)")
     if config.data.alpha <= 0:
         raise ConfigError("data.alpha", config.data.alpha, "> 0")
+    kinds = config.data.kinds
+    if "" in kinds or len(set(kinds)) != len(kinds):
+        raise ConfigError("data.question_kinds", config.data.question_kinds,
+                          '"" (every kind) or distinct question kinds separated by commas, e.g. "location,relation"')
     if not paradigm.wire and config.clients.count != 1:
         raise ConfigError("clients.count", config.clients.count,
                           f"1 for paradigm {config.paradigm} (one trainer holds all data)")

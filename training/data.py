@@ -21,12 +21,12 @@ from functools import cached_property, lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from config import SimConfig
+from config import ConfigError, SimConfig
 from config.schema import DataConfig
 from vlm.loading import ModelBundle
 from vlm.mini.tokenizer import build_sample_tokenizer
 from vlm.profiles import Profile
-from vqa import MarkRecord, VQADataset, VQASample, is_stamped, load_vqa, mark_patches, mark_records, partition_indices
+from vqa import MarkRecord, UnknownQuestionKind, VQADataset, VQASample, is_stamped, load_vqa, mark_patches, mark_records, partition_indices
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,8 @@ class RunData:
         taken = {s.image_id for s in [*self.samples, *self.canary_non_members]}
         # Enough rows that `limit` remain after the clients' own rows of this split are left out.
         clients_rows = {data.train_split: self.train_all, data.test_split: self.test_all}.get(split, [])
-        pool = load_vqa(
-            data.dataset, split, data.source or None, limit=limit + len(clients_rows), seed=data.seed + seed
-        )
+        pool = load_vqa(data.dataset, split, data.source or None, limit=limit + len(clients_rows),
+                        seed=data.seed + seed, question_kinds=data.kinds)
         aux = [s for s in pool if s.image_id not in taken][:limit]
         if not aux:
             raise ValueError(f"no auxiliary rows left in {data.dataset}/{split} outside the clients' data")
@@ -128,8 +127,14 @@ class RunData:
 def _build(data_fields: tuple, count: int, aux_split: str) -> RunData:
     data = DataConfig(*data_fields)
     source = data.source or None
-    train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None, seed=data.seed)
-    test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed)
+    try:
+        train_all = load_vqa(data.dataset, data.train_split, source, limit=data.train_limit or None, seed=data.seed,
+                             question_kinds=data.kinds)
+        test_all = load_vqa(data.dataset, data.test_split, source, limit=data.test_limit or None, seed=data.seed,
+                            question_kinds=data.kinds)
+    except UnknownQuestionKind as error:
+        raise ConfigError("data.question_kinds", data.question_kinds,
+                          f"kinds of {data.dataset}/{error.split}, comma-separated: {', '.join(error.present)}") from None
     try:
         train = partition_indices(train_all, count, method=data.partition, seed=data.seed, alpha=data.alpha)
         test = partition_indices(test_all, count, method="iid", seed=data.seed)
@@ -167,7 +172,7 @@ def _with_canaries(data: DataConfig, train_all: VQADataset, held: list[VQASample
     taken = {s.image_id for s in held}
     wanted = data.canaries * len(shards)
     pool = load_vqa(data.dataset, data.train_split, data.source or None, limit=len(train_all) + 4 * wanted,
-                    seed=data.seed + 2)
+                    seed=data.seed + 2, question_kinds=data.kinds)
     candidates = [c for c in (canary(s) for s in pool if s.image_id not in taken) if c is not None][:wanted]
     if len(candidates) < wanted:
         raise ValueError(f"data.canaries={data.canaries}: only {len(candidates)} of the {wanted} canaries asked for can "

@@ -119,6 +119,7 @@ def load_vqa(
     limit: int | None = None,
     seed: int = 0,
     *,
+    question_kinds: Sequence[str] = (),
     verify_images: bool = False,
 ) -> VQADataset:
     """Load one split of a registered dataset as validated ``VQASample``s.
@@ -128,13 +129,19 @@ def load_vqa(
     seeded random subset of that many rows, in source order; the text checks run over
     every kept row before any image is read. ``verify_images`` also decodes every
     image up front, instead of failing later when a bad one is first used.
+    ``question_kinds`` keeps only the rows of those kinds, and ``limit`` draws from them
+    (every row's text is then read, to find them).
     """
     adapter = get_adapter(name)
     if split not in adapter.splits:
         allowed = ", ".join(adapter.splits)
         raise VQADataError(f"unknown split {split!r}; allowed splits: {allowed}", dataset=name, split=split)
     table = adapter.open(source, split)
-    rows = table.read_rows(select_rows(table.num_rows, limit, seed, name, split))
+    if question_kinds:
+        rows = _of_kinds(table.read_rows(range(table.num_rows)), question_kinds, name, split)
+        rows = [rows[index] for index in select_rows(len(rows), limit, seed, name, split)]
+    else:
+        rows = table.read_rows(select_rows(table.num_rows, limit, seed, name, split))
     _raise_for_problems(rows, _text_problem, name, split)
     table.attach_images(rows)
     _raise_for_problems(rows, _image_problem, name, split)
@@ -142,6 +149,23 @@ def load_vqa(
     if verify_images:
         dataset.verify_images()
     return dataset
+
+
+class UnknownQuestionKind(VQADataError):
+    """A question kind asked for that the split has no row of; `present` holds the kinds it has."""
+
+    def __init__(self, unknown: Sequence[str], present: Sequence[str], *, dataset: str, split: str) -> None:
+        self.present = tuple(present)
+        super().__init__(f"no question of kind {', '.join(map(repr, unknown))}; kinds here: {', '.join(present)}",
+                         dataset=dataset, split=split)
+
+
+def _of_kinds(rows: list[SourceRow], kinds: Sequence[str], name: str, split: str) -> list[SourceRow]:
+    present = sorted({row.question_kind for row in rows})
+    unknown = [kind for kind in kinds if kind not in present]
+    if unknown:
+        raise UnknownQuestionKind(unknown, present, dataset=name, split=split)
+    return [row for row in rows if row.question_kind in kinds]
 
 
 def select_rows(num_rows: int, limit: int | None, seed: int, name: str, split: str) -> list[int]:

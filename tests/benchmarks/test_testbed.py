@@ -194,7 +194,7 @@ def test_the_report_renders_every_part_from_the_json(tmp_path):
     # The memorisation points come from the other helper's dict as they are.
     assert any(line.startswith("| mean loss-MIA AUC over seeds") and "| ≥ 0.9 | 0.740 | [0.700, 0.780] (rows-100, 8 epochs) | "
                "2 seeds × 100 members a side | **FAIL** |" in line for line in lines)
-    assert "| rows-100 | 100 | 8 | 0, 1 | 0.700, 0.780 | 0.740 | [0.700, 0.780] | 61.0% | 45.0% | 2 seeds × 100 members a side |" in lines
+    assert "| rows-100 | all | 100 | 8 | 0, 1 | 0.700, 0.780 | 0.740 | [0.700, 0.780] | 61.0% | 45.0% | 2 seeds × 100 members a side |" in lines
     assert "| point | seed | train_rows | epochs | test_accuracy | mia_auc | mia_auc_low | mia_auc_high | members | non_members |" in lines
     assert "| rows-100 | 1 | 100 | 8 | 0.620 | 0.780 | 0.700 | 0.860 | 100 | 100 |" in lines
     assert "| accuracy | 12 | 1.00 | 2.00 |" in lines

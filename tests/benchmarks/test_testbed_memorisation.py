@@ -71,8 +71,12 @@ def test_the_preset_validates_and_every_point_is_undefended_usl_on_the_scene_tes
         # The recording the replay opens exists; the attack applies to the point.
         assert config.threat.model == "passive"
         assert all(plan.applies_to(config.to_flat()) for plan in sweep.attacks)
-        rows.append(config.data.train_limit)
-    assert rows == sorted(rows) and len(set(rows)) == len(rows)
+        rows.append((config.data.question_kinds, config.data.train_limit))
+    # Within a set of question kinds, the sizes grow and none repeats.
+    for kinds in {kinds for kinds, _ in rows}:
+        sizes = [size for of, size in rows if of == kinds]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert {kinds for kinds, _ in rows} == {"", "location,relation,unanswerable"}
 
 
 def test_the_preset_is_usable_as_run_config_overrides(tmp_path):
@@ -152,6 +156,7 @@ def test_the_curve_on_a_tiny_stand_in_records_each_point_at_each_epoch(tmp_path)
         assert row["members"] == row["non_members"] == min(row["train_rows"], 6)
         assert 0.0 <= row["mia_auc_low"] <= row["mia_auc"] <= row["mia_auc_high"] <= 1.0
         assert row["test_accuracy"] is not None and row["test_count"] == 6
+        assert row["question_only_accuracy"] == result["question_only_by_seed"]["0"]
     last = four[-1]
     assert set(last["test_accuracy_by_kind"]) <= {"location", "relation", "exist", "count", "unanswerable"}
     assert 0.0 <= last["train_accuracy"] <= 1.0
@@ -212,6 +217,11 @@ def test_the_acceptance_reads_the_mean_over_seeds_at_each_points_last_epochs():
     # One seed: the interval is the row's own (over the scored rows), not a bootstrap of one value.
     single = M.summarise([_row("rows-32", 0, 400.0, 0.85)], {0: 0.35})["across_seeds"][0]
     assert (single["mia_auc_low"], single["mia_auc_high"]) == (pytest.approx(0.75), pytest.approx(0.95))
+    # A row carries the baseline of its own test rows (a point of other question kinds): it counts, not the seed's.
+    unsure = [{**_row("unsure", seed, 400.0, 0.99), "question_only_accuracy": 0.75} for seed in (0, 1, 2)]
+    summary = M.summarise(rows + unsure, {0: 0.35, 1: 0.36, 2: 0.37})
+    assert {e["point"]: e["question_only_accuracy"] for e in summary["across_seeds"]}["unsure"] == pytest.approx(0.75)
+    assert summary["best_point"] == "rows-8"
 
 
 def test_writing_a_measurement_keeps_the_other_points_and_seeds_and_summarises_them_all(tmp_path):

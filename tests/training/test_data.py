@@ -1,5 +1,7 @@
 """One builder of a run's data: what the clients hold is what the attacks' truth scores against."""
 
+import re
+
 import pytest
 
 from attacks.truth import RunTruth
@@ -80,3 +82,27 @@ def test_a_word_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path)
     too_many = r"tokenizer has \d+ tokens, more than the 8 in the vocabulary of profile 'tiny'"
     with pytest.raises(ValueError, match=too_many):
         data.tokenizer(bundle)
+
+
+def test_question_kinds_draw_every_row_of_the_run_from_those_kinds_only(tmp_path):
+    kinds = {"shape", "color"}
+    config = tiny_config(tmp_path, **{"data.question_kinds": "shape, color", "data.canaries": 6,
+                                      "threat.aux_split": "train"})
+    data = RunData.build(config)
+    rows = [*data.train_all, *data.test_all, *data.canary_non_members, *data.auxiliary(20)]
+    assert {s.question_kind for s in rows} == kinds
+    # The limit draws from the kinds' rows: as many rows as without the filter.
+    assert (len(data.train_all) - len(data.canary_members), len(data.test_all)) == (40, 12)
+    assert [s.id for s in data.test_all] == [s.id for s in load_vqa("easyvqa-stamped", "test", limit=12, seed=3,
+                                                                     question_kinds=("shape", "color"))]
+
+
+@pytest.mark.parametrize(("kinds", "allowed"), [
+    ("shape,,color", "distinct question kinds separated by commas"),
+    ("shape,shape", "distinct question kinds separated by commas"),
+    ("shape,size", "kinds of easyvqa-stamped/train, comma-separated: color, shape, yes/no"),
+])
+def test_question_kinds_that_name_no_kind_of_the_dataset_are_refused_naming_the_key(tmp_path, kinds, allowed):
+    with pytest.raises(ConfigError, match=r"data.question_kinds=" + re.escape(repr(kinds))) as refused:
+        RunData.build(tiny_config(tmp_path, **{"data.question_kinds": kinds}))
+    assert allowed in str(refused.value)
