@@ -96,6 +96,7 @@ class ClientRuntime:
     dp_sgd: SampleLevelDP | None = None
     # Local DP (privacy.dp.mode = "local"): the noise multiplier of every update, calibrated once.
     local_dp_noise: float = 0.0
+    _sample_gradients: dict[str, LinearSampleGradients] = field(default_factory=dict)
 
     def dp_generator(self, round_: int, segment: str) -> torch.Generator:
         """DP-SGD's noise for this client's current step on `segment`, seeded like the defenses'
@@ -122,6 +123,13 @@ class ClientRuntime:
 
     def parameters(self, owner: str) -> list[torch.nn.Parameter]:
         return list(owner_lora_parameters(self.model, self.owned[owner], self.adapter).values())
+
+    def sample_gradients(self, owner: str) -> LinearSampleGradients:
+        """DP-SGD's reader of per-sample gradients for `owner`'s parameters, one per segment: finding
+        their layers walks the whole model, a twentieth of a step when done at every step."""
+        if owner not in self._sample_gradients:
+            self._sample_gradients[owner] = LinearSampleGradients(self.model, self.parameters(owner))
+        return self._sample_gradients[owner]
 
     def reset_private_state(self) -> None:
         """The run's starting point: seeded LoRA, fresh AdamW, step 0."""

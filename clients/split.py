@@ -131,7 +131,7 @@ class SplitClient:
         """train_front, under DP-SGD with the front's layer inputs recorded for its per-sample gradients."""
         if self.rt.dp_sgd is None:
             return (*self.train_front(round_), None)
-        samples = LinearSampleGradients(self.rt.model, self.rt.parameters(self.front))
+        samples = self.rt.sample_gradients(self.front)
         with samples.recording():
             batch, front = self.train_front(round_)
         return batch, front, samples

@@ -39,7 +39,7 @@ class USLClient(SplitClient):
         if rt.dp_sgd is None:
             logits = self._tail(inputs, rows)
         else:
-            samples = LinearSampleGradients(rt.model, rt.parameters("tail"))
+            samples = rt.sample_gradients("tail")
             with samples.recording():
                 logits = self._tail(inputs, rows)
         loss = next_token_loss(logits, inputs.labels)

@@ -64,7 +64,8 @@ class LinearSampleGradients:
 
     def per_sample(self, samples: int) -> list[tuple[torch.Tensor, ...]]:
         """Each of the batch's `samples` gradients for the parameters, in their order (the last
-        backward's); a layer the backward never reached has zero gradients."""
+        backward's); a layer the backward never reached has zero gradients. The recorded tensors
+        are let go: a reader kept for the next step would otherwise hold this batch's activations."""
         grads: list[list[torch.Tensor | None]] = [[None] * self.count for _ in range(samples)]
         for position, module, attr in self.owners:
             parameter = getattr(module, attr)
@@ -82,4 +83,6 @@ class LinearSampleGradients:
                     else output_grad.sum(1))
             for sample, value in zip(grads, each, strict=True):
                 sample[position] = value
+        self.inputs.clear()
+        self.output_grads.clear()
         return [tuple(sample) for sample in grads]

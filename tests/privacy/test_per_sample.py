@@ -38,6 +38,15 @@ def test_one_backward_gives_each_samples_own_gradient():
         for got, want in zip(fast[i][:3], alone, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert torch.equal(fast[i][3], torch.zeros_like(model.unused.weight))  # no path from the loss
+    # Read once, the batch's tensors are let go; the same reader serves the next step.
+    assert not samples.inputs and not samples.output_grads
+    with samples.recording():
+        out = model(x.flip(0))
+    torch.autograd.grad(out.pow(2).mean(dim=(1, 2)).sum(), params[:3])
+    again = samples.per_sample(3)
+    alone = torch.autograd.grad(model(x[:1]).pow(2).mean(), params[:3])
+    for got, want in zip(again[2][:3], alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_parameter_outside_a_linear_layer_and_a_layer_run_twice_are_refused():
