@@ -245,3 +245,15 @@ def test_writing_a_measurement_keeps_the_other_points_and_seeds_and_summarises_t
     assert data["memorisation"]["question_only_by_seed"] == {"0": 0.35, "1": 0.36}
     assert data["memorisation"]["config"]["points"].keys() == {"rows-16", "rows-32"}
     assert data["memorisation"]["wall_seconds"] == 1.0
+
+
+def test_the_command_writes_a_measurement_of_points_of_other_question_kinds_alone(tmp_path, monkeypatch, capsys):
+    """Points drawn from chosen question kinds carry their own baselines: the summary then has no
+    all-kinds baseline, and the command still prints and writes it."""
+    rows = [{**_row("unsure", seed, 400.0, 0.99), "question_only_accuracy": 0.27} for seed in (0, 1)]
+    measured = {"points": rows, **M.summarise(rows, {}), "config": {"points": {"unsure": {}}}, "wall_seconds": 1.0}
+    monkeypatch.setattr(M, "measure_memorisation", lambda *args, **kwargs: measured)
+    results = tmp_path / "testbed.json"
+    assert M.main(["--seeds", "0,1", "--write", "--results", str(results)]) == 0
+    assert "(question-only 0.27)" in capsys.readouterr().out
+    assert json.loads(results.read_text())["memorisation"]["best_point"] == "unsure"
