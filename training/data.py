@@ -26,7 +26,8 @@ from config.schema import DataConfig
 from vlm.loading import ModelBundle
 from vlm.mini.tokenizer import build_sample_tokenizer
 from vlm.profiles import Profile
-from vqa import MarkRecord, UnknownQuestionKind, VQADataset, VQASample, is_stamped, load_vqa, mark_patches, mark_records, partition_indices
+from vqa import (MarkRecord, UnknownQuestionKind, VQADataset, VQASample, is_stamped, load_vqa, mark_patches, mark_records,
+                 partition_indices)
 
 
 @dataclass(frozen=True)
