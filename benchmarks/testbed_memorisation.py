@@ -410,10 +410,10 @@ def summarise(rows: Sequence[Mapping[str, Any]], baselines: Mapping[int, float])
 
     `rows` are measure_point's (a row without a seed is seed 0's), each with the question-only
     accuracy of its own test rows; `baselines`, the question-only accuracy on every kind's test
-    rows by seed, stands in for a row written before rows carried theirs. A point's entry holds, from each seed's row at the most epochs, the AUC by
-    seed and their mean with a 95% interval (a bootstrap over the seeds, analysis.stats.bootstrap;
-    with one seed, the row's own bootstrap over the scored rows), and the mean test accuracy
-    against the mean of those seeds' baselines. The target is reached by a point whose mean AUC is
+    rows by seed, stands in for a row written before rows carried theirs. A point's entry holds,
+    from each seed's row at the most epochs, the AUC by seed and their mean with a 95% interval
+    (a bootstrap over the seeds, analysis.stats.bootstrap; with one seed, the row's own bootstrap
+    over the scored rows), and the mean test accuracy against the mean of those seeds' baselines. The target is reached by a point whose mean AUC is
     at least TARGET_AUC while its mean test accuracy beats its baseline."""
     from analysis.stats import bootstrap
 
