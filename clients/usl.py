@@ -14,7 +14,7 @@ from clients.split import SplitClient, check_rows
 from privacy import EVAL, GRADIENT, Payload
 from privacy.per_sample import LinearSampleGradients
 from training import protocol
-from vlm.segments import IGNORE_INDEX, next_token_loss, run_decoder_layers
+from vlm.segments import next_token_loss, run_decoder_layers
 from wire import unpack_rows
 
 
@@ -51,7 +51,7 @@ class USLClient(SplitClient):
         else:
             # The gradient at CB is the batch loss's, as without DP-SGD (DP-SGD protects the weights).
             (grad,) = torch.autograd.grad(loss, rows, retain_graph=True)
-            self.private_tail_gradients(round_, logits, inputs.labels, samples)
+            self.private_tail_gradients(round_, loss, inputs.labels.shape[0], samples)
         optimizer.step()
         rt.after_training_message(round_, ("tail",), end_of_turn=False)
         if rt.defenses.acts_at(GRADIENT):
@@ -59,18 +59,15 @@ class USLClient(SplitClient):
             grad = rt.defenses.apply((GRADIENT,), payload, self.seed(round_, rt.step)).rows
         return {"tensors": {protocol.GRAD: grad}, "metrics": {"loss": loss.detach().item()}}
 
-    def private_tail_gradients(self, round_: int, logits: torch.Tensor, labels: torch.Tensor,
+    def private_tail_gradients(self, round_: int, loss: torch.Tensor, count: int,
                                samples: LinearSampleGradients) -> None:
         """DP-SGD on the tail: each sample's share of the batch loss times the batch size (as the
-        head's, clients.split), its gradient clipped to clip/√2, summed and noised. One backward of
-        the shares' sum, read per sample from the recorded forward (privacy.per_sample)."""
+        head's, clients.split), its gradient clipped to clip/√2, summed and noised. The shares sum to
+        the batch loss times the batch size (a mean over the batch's answer tokens), so one backward
+        of that, read per sample from the recorded forward (privacy.per_sample)."""
         rt = self.rt
         params = rt.parameters("tail")
-        count = labels.shape[0]
-        answer_tokens = (labels[:, 1:] != IGNORE_INDEX).sum(-1)
-        weights = answer_tokens * count / answer_tokens.sum()
-        shares = sum(next_token_loss(logits[i : i + 1], labels[i : i + 1]) * weights[i] for i in range(count))
-        torch.autograd.grad(shares, params)
+        torch.autograd.grad(loss * count, params)
         rt.dp_sgd.private_gradients(params, samples.per_sample(count), count, rt.dp_generator(round_, "tail"),
                                     clip=self.segment_clip())
 
